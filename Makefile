@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the test suite).
+# Both do all set-up on a fresh machine: a virtualenv in .venv with torch pinned to the local CPU build.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/tpuray demo
+
+test: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

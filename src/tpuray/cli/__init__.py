@@ -1,0 +1,57 @@
+"""`tpuray` command line. Each subcommand lives in its own module exposing `register(subparsers)`,
+which adds its parser and sets `func(args) -> int` as the default."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order shown in `tpuray --help`.
+COMMANDS = ("demo", "plan", "emulate", "status", "serve", "k8s")
+
+
+class UsageError(Exception):
+    """Bad user input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpuray",
+        description=(
+            "Native PyTorch on TPU slices with Ray. Plans slices, runs emulated TPU slices on any CPU "
+            "machine, serves LLMs and writes KubeRay manifests."
+        ),
+    )
+    from tpuray import __version__
+
+    parser.add_argument("--version", action="version", version=f"tpuray {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"tpuray.cli.{name}")
+        except ModuleNotFoundError as e:  # subcommand not built yet
+            if e.name != f"tpuray.cli.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError) as e:
+        print(f"tpuray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

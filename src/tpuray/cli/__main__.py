@@ -1,0 +1,5 @@
+import sys
+
+from tpuray.cli import main
+
+sys.exit(main())
