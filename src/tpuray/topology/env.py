@@ -1,0 +1,196 @@
+"""Per-process TPU environment: what libtpu / TorchTPU need to run one process on a share of a host.
+
+Follows torch_xla's `configure_topology` (torch_xla/_internal/tpu.py) for the libtpu variables and
+the TorchTPU 0.2.0 `tpu_dist` backend for the TORCH_TPU_* variables (see docs/topology.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tpuray.topology.slice import Coords, SliceTopology
+
+DEFAULT_PROCESS_PORT = 8476  # libtpu TPU_PROCESS_PORT base (torch_xla's default)
+DEFAULT_SLICEBUILDER_PORT = 8070  # TorchTPU slice builder base port, + local rank
+
+
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def default_hostnames(topo: SliceTopology) -> list[str]:
+    """ "localhost" for a single-host slice, otherwise "<pod type>-w<worker id>" (e.g. v6e-16-w3).
+    Pass real hostnames (TPU_WORKER_HOSTNAMES of the slice) when you have them."""
+    if topo.num_hosts == 1:
+        return ["localhost"]
+    return [f"{topo.pod_type}-w{i}" for i in range(topo.num_hosts)]
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """Environment entries identical for every process of a slice, plus per-host/per-process parts."""
+
+    procs_per_host: int
+    num_hosts: int
+    # per local process: the common entries plus TPU_VISIBLE_CHIPS and TPU_PROCESS_PORT
+    local_envs: tuple[dict[str, str], ...]
+
+
+def _check_port(name: str, port: int, span: int) -> None:
+    if type(port) is not int or not 1 <= port <= 65535 - span:
+        raise ValueError(f"{name}={port!r} out of range; valid: 1..{65535 - span}")
+
+
+def _build_shared(
+    topo: SliceTopology,
+    hostnames: tuple[str, ...] | None,
+    chips_per_process: int,
+    port_base: int,
+    slicebuilder_port_base: int,
+) -> _Shared:
+    share: Coords = topo.share_bounds(chips_per_process)  # ValueError lists valid shares
+    hosts = list(hostnames) if hostnames is not None else default_hostnames(topo)
+    if len(hosts) != topo.num_hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ValueError(
+            f"hostnames must list {topo.num_hosts} non-empty host name(s), one per worker of "
+            f"{topo.pod_type} ({topo.topology}); got {hostnames!r}"
+        )
+    procs = topo.chips_per_host // chips_per_process
+    _check_port("port_base", port_base, procs)
+    _check_port("slicebuilder_port_base", slicebuilder_port_base, procs)
+
+    hs, hb = topo.host_shape, topo.host_bounds
+    per_host = tuple(h // s for h, s in zip(hs, share, strict=True))
+    process_bounds = [b * p for b, p in zip(hb, per_host, strict=True)]
+    topology_dims = list(topo.shape)
+    devices = topo.generation.devices_per_chip
+    if devices > 1:
+        # v7x: each chip is two devices; torch_xla appends it to the process bounds and TorchTPU
+        # expects it as a 4th TORCH_TPU_TOPOLOGY dimension (e.g. "1,1,1,2" for one chip).
+        process_bounds.append(devices)
+        topology_dims.append(devices)
+
+    ports = [port_base + p for p in range(procs)]
+    sb_ports = [slicebuilder_port_base + p for p in range(procs)]
+    common = {
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": _csv(share),
+        "TPU_PROCESS_BOUNDS": _csv(process_bounds),
+        "TPU_PROCESS_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in ports),
+        "TPU_WORKER_HOSTNAMES": ",".join(hosts),
+        "TPU_ACCELERATOR_TYPE": topo.pod_type,
+        "TPU_TOPOLOGY": topo.topology,
+        "TORCH_TPU_TOPOLOGY": _csv(topology_dims),
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in sb_ports),
+        "TORCH_TPU_DEVICES_PER_HOST": str(topo.devices_per_host),
+    }
+    local_envs = tuple(
+        {
+            "TPU_VISIBLE_CHIPS": _csv(range(p * chips_per_process, (p + 1) * chips_per_process)),
+            "TPU_PROCESS_PORT": str(ports[p]),
+            **common,
+        }
+        for p in range(procs)
+    )
+    return _Shared(procs, topo.num_hosts, local_envs)
+
+
+@lru_cache(maxsize=16, typed=True)
+def _shared_cached(
+    topo: SliceTopology,
+    hostnames: tuple[str, ...] | None,
+    chips_per_process: int,
+    port_base: int,
+    slicebuilder_port_base: int,
+) -> _Shared:
+    return _build_shared(topo, hostnames, chips_per_process, port_base, slicebuilder_port_base)
+
+
+def _env(shared: _Shared, rank: int) -> dict[str, str]:
+    host, local = divmod(rank, shared.procs_per_host)
+    env = shared.local_envs[local].copy()
+    env["TPU_WORKER_ID"] = str(host)
+    env["CLOUD_TPU_TASK_ID"] = str(rank)
+    return env
+
+
+def _hosts_key(hostnames: Sequence[str] | None) -> tuple[str, ...] | None:
+    if hostnames is None:
+        return None
+    if isinstance(hostnames, str):
+        hostnames = hostnames.split(",")
+    return tuple(hostnames)
+
+
+def num_processes(topo: SliceTopology, chips_per_process: int = 1) -> int:
+    """Processes in the slice when each drives `chips_per_process` chips."""
+    topo.share_bounds(chips_per_process)
+    return topo.num_chips // chips_per_process
+
+
+def worker_env(
+    topo: SliceTopology,
+    rank: int,
+    hostnames: Sequence[str] | None = None,
+    chips_per_process: int = 1,
+    port_base: int = DEFAULT_PROCESS_PORT,
+    slicebuilder_port_base: int = DEFAULT_SLICEBUILDER_PORT,
+) -> dict[str, str]:
+    """Environment of process `rank` (0 .. num_chips // chips_per_process - 1) of the slice.
+
+    Process `rank` runs on worker `rank // procs_per_host` and drives local chips
+    `[p * chips_per_process, (p + 1) * chips_per_process)` with p = rank % procs_per_host; with one
+    chip per process this is exactly `topo.layout()[rank]`. `hostnames` lists one name per worker
+    in worker-id order (default: see `default_hostnames`).
+    """
+    shared = _shared_cached(topo, _hosts_key(hostnames), chips_per_process, port_base, slicebuilder_port_base)
+    n = shared.num_hosts * shared.procs_per_host
+    if type(rank) is not int or not 0 <= rank < n:
+        raise ValueError(
+            f"rank {rank!r} out of range for {n} process(es) of {chips_per_process} chip(s) on "
+            f"{topo.pod_type}; valid: 0..{n - 1}"
+        )
+    return _env(shared, rank)
+
+
+def worker_envs(
+    topo: SliceTopology,
+    hostnames: Sequence[str] | None = None,
+    chips_per_process: int = 1,
+    port_base: int = DEFAULT_PROCESS_PORT,
+    slicebuilder_port_base: int = DEFAULT_SLICEBUILDER_PORT,
+) -> list[dict[str, str]]:
+    """`worker_env` for every process, in rank order. Long shared values (the address lists) are
+    the same string objects in every dict."""
+    shared = _build_shared(topo, _hosts_key(hostnames), chips_per_process, port_base, slicebuilder_port_base)
+    out = []
+    append = out.append
+    rank = 0
+    for host in range(shared.num_hosts):
+        worker_id = str(host)
+        for base in shared.local_envs:
+            env = base.copy()
+            env["TPU_WORKER_ID"] = worker_id
+            env["CLOUD_TPU_TASK_ID"] = str(rank)
+            append(env)
+            rank += 1
+    return out
+
+
+def multislice_env(
+    coordinator_address: str, num_slices: int, slice_id: int, port: int = 8081
+) -> dict[str, str]:
+    """MEGASCALE_* variables for a multi-slice job (same names and default port as Ray's
+    `get_tpu_coordinator_env_vars`)."""
+    if not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"num_slices={num_slices!r} must be an integer >= 1")
+    if not isinstance(slice_id, int) or not 0 <= slice_id < num_slices:
+        raise ValueError(f"slice_id={slice_id!r} out of range; valid: 0..{num_slices - 1}")
+    _check_port("port", port, 0)
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": coordinator_address,
+        "MEGASCALE_PORT": str(port),
+        "MEGASCALE_NUM_SLICES": str(num_slices),
+        "MEGASCALE_SLICE_ID": str(slice_id),
+    }
