@@ -1,0 +1,123 @@
+"""`tpuray k8s`: print a KubeRay RayCluster / RayJob / RayService for GKE TPU node pools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tpuray.cli import UsageError
+
+EPILOG = """\
+examples:
+  tpuray k8s --accelerator-type TPU-V6E --topology 4x4 | kubectl apply -f -
+  tpuray k8s -a TPU-V6E -t 4x4 --num-slices 2 --image REGISTRY/tpuray:latest -o cluster.yaml
+  tpuray k8s -a v5p -t 2x2x2 --kind rayjob --entrypoint "python train.py" --pip "tpuray[tpu]"
+  tpuray k8s -a TPU-V6E -t 2x4 --kind rayservice --model /models/my-llm
+  tpuray k8s -a TPU-V6E -t 4x4 --kind rayservice --serve-config serve.yaml
+
+One worker group, one replica per slice, numOfHosts pods per replica (one per TPU host, each with
+all its chips as google.com/tpu), pinned by the cloud.google.com/gke-tpu-accelerator and
+cloud.google.com/gke-tpu-topology node selectors. Needs the KubeRay operator and its TPU webhook
+(GKE's Ray add-on installs both). See docs/k8s.md.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "k8s",
+        help="print KubeRay manifests (RayCluster/RayJob/RayService) for GKE TPU node pools",
+        description="Write a KubeRay manifest for TPU slices on GKE, checked against the topology model.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--accelerator-type", "-a", required=True, help="e.g. TPU-V6E, v5e, v5p, v4, tpu7x")
+    p.add_argument("--topology", "-t", required=True, help="e.g. 4x4 (v5e/v6e) or 2x2x2 (v4/v5p/v7x)")
+    p.add_argument("--num-slices", type=int, default=1, help="identical slices = worker replicas (1)")
+    p.add_argument(
+        "--kind", default="raycluster", help="raycluster (default), rayjob or rayservice (case-insensitive)"
+    )
+    p.add_argument("--name", default="", help="resource name (default tpuray-<pod type>)")
+    p.add_argument("--namespace", default=None, help="metadata.namespace (default: none)")
+    p.add_argument("--image", default="", help="container image with tpuray[tpu] (default rayproject/ray)")
+    p.add_argument("--ray-version", default="", help="spec.rayVersion (default: installed Ray)")
+    p.add_argument("--head-cpu", default="4", help="head pod CPU (default 4)")
+    p.add_argument("--head-memory", default="16Gi", help="head pod memory (default 16Gi)")
+    p.add_argument("--worker-cpu", default="8", help="CPU per TPU host pod (default 8)")
+    p.add_argument("--worker-memory", default="32Gi", help="memory per TPU host pod (default 32Gi)")
+    p.add_argument("--entrypoint", default=None, help="rayjob: command the job runs")
+    p.add_argument(
+        "--pip", action="append", default=[], metavar="PKG", help="rayjob/rayservice: runtime_env pip package"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="rayservice: model directory (inside the image) served by tpuray.serve.llm",
+    )
+    p.add_argument(
+        "--serve-config",
+        metavar="FILE",
+        default=None,
+        help="rayservice: YAML with a Ray Serve config (applications) or build_openai_app args (llm_configs)",
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="also check against KubeRay's CRD schemas (folder in $TPURAY_KUBERAY_CRDS; see docs/k8s.md)",
+    )
+    p.add_argument("--output", "-o", metavar="FILE", default=None, help="write to FILE instead of stdout")
+    p.set_defaults(func=run)
+
+
+def _load_serve_config(path: str) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"--serve-config {path!r}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise UsageError(f"--serve-config {path!r} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"--serve-config {path!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpuray.k8s import K8sConfig, build_manifest, render
+
+    cfg = K8sConfig(
+        accelerator_type=args.accelerator_type,
+        topology=args.topology,
+        num_slices=args.num_slices,
+        kind=args.kind,
+        name=args.name,
+        namespace=args.namespace,
+        image=args.image,
+        ray_version=args.ray_version,
+        head_cpu=args.head_cpu,
+        head_memory=args.head_memory,
+        worker_cpu=args.worker_cpu,
+        worker_memory=args.worker_memory,
+        entrypoint=args.entrypoint,
+        runtime_env={"pip": list(args.pip)} if args.pip else None,
+        serve_config=_load_serve_config(args.serve_config) if args.serve_config else None,
+        model=args.model,
+    )
+    if args.validate:
+        from tpuray.k8s.schema import validate
+
+        try:
+            validate(build_manifest(cfg))
+        except (FileNotFoundError, ImportError) as e:
+            raise UsageError(f"--validate: {e}") from e
+    text = render(cfg)
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:
+            raise UsageError(f"cannot write {args.output!r}: {e.strerror}") from e
+        print(f"wrote {args.output}: {cfg.describe()}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

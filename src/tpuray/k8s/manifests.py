@@ -1,0 +1,199 @@
+"""KubeRay manifests (RayCluster / RayJob / RayService) for GKE TPU node pools, as plain dicts.
+
+One TPU worker group, one replica per slice: KubeRay creates `numOfHosts` pods per replica, GKE puts
+them on one TPU slice node pool (node selectors), and each pod gets a whole host (`google.com/tpu` =
+chips per host). What we set versus what the stack sets on its own:
+
+- We set: node selectors, `google.com/tpu` limits/requests, `numOfHosts`, replicas = slices, and
+  Ray's `TPU` resource in rayStartParams (KubeRay would derive the same value from the limit).
+- GKE sets TPU_ACCELERATOR_TYPE / TPU_TOPOLOGY in TPU containers; KubeRay's TPU webhook (part of
+  GKE's Ray add-on) sets TPU_NAME, TPU_WORKER_ID and TPU_WORKER_HOSTNAMES per pod. From those Ray
+  derives, on every host, the resources `TPU-<pod type>-head` (worker 0) and `<TPU_NAME>` and the
+  labels `ray.io/tpu-slice-name`, `ray.io/tpu-worker-id`, `ray.io/tpu-topology`,
+  `ray.io/tpu-pod-type` - the same ones tpuray's emulator gives emulated hosts. Ray reserves the
+  `ray.io/` label prefix, so they cannot (and need not) be set here.
+- TorchTPU's per-process variables (TPU_VISIBLE_CHIPS, TORCH_TPU_*) are per worker process, set at
+  run time by Ray and tpuray.train, not per pod.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from tpuray.k8s.config import GKE_ACCELERATOR_LABEL, GKE_TOPOLOGY_LABEL, TPU_RESOURCE, K8sConfig
+
+API_VERSION = "ray.io/v1"
+HEAD_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001), ("serve", 8000))
+
+
+def _resources(cpu: str, memory: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    amounts = {"cpu": cpu, "memory": memory, **(extra or {})}
+    return {"limits": dict(amounts), "requests": dict(amounts)}
+
+
+def _shm_volume() -> dict[str, Any]:
+    return {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+
+
+def head_group_spec(cfg: K8sConfig) -> dict[str, Any]:
+    """CPU-only head: GCS, dashboard, drivers, Train controller, Serve proxy."""
+    container = {
+        "name": "ray-head",
+        "image": cfg.image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": _resources(cfg.head_cpu, cfg.head_memory),
+        "ports": [{"containerPort": port, "name": name} for name, port in HEAD_PORTS],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    return {
+        "rayStartParams": {},
+        "template": {"spec": {"containers": [container], "volumes": [_shm_volume()]}},
+    }
+
+
+def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
+    """One worker group; each replica is one TPU slice of `numOfHosts` pods, one pod per host."""
+    topo = cfg.slice_topology
+    chips = str(topo.chips_per_host)
+    container = {
+        "name": "ray-worker",
+        "image": cfg.image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": _resources(cfg.worker_cpu, cfg.worker_memory, {TPU_RESOURCE: chips}),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    return {
+        "groupName": cfg.worker_group_name,
+        "replicas": cfg.num_slices,
+        "minReplicas": cfg.num_slices,
+        "maxReplicas": cfg.num_slices,
+        "numOfHosts": topo.num_hosts,
+        # Same format KubeRay writes when it derives this from google.com/tpu itself.
+        "rayStartParams": {
+            "resources": "'" + json.dumps({"TPU": topo.chips_per_host}, separators=(",", ":")) + "'"
+        },
+        "template": {
+            "metadata": {
+                "labels": {
+                    "tpuray.io/pod-type": topo.pod_type,
+                    "tpuray.io/topology": topo.topology,
+                }
+            },
+            "spec": {
+                "containers": [container],
+                "nodeSelector": {
+                    GKE_ACCELERATOR_LABEL: cfg.gke_accelerator,
+                    GKE_TOPOLOGY_LABEL: topo.topology,
+                },
+                # GKE taints TPU nodes; it usually adds this toleration itself.
+                "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+                "volumes": [_shm_volume()],
+            },
+        },
+    }
+
+
+def ray_cluster_spec(cfg: K8sConfig) -> dict[str, Any]:
+    return {
+        "rayVersion": cfg.ray_version,
+        "headGroupSpec": head_group_spec(cfg),
+        "workerGroupSpecs": [tpu_worker_group_spec(cfg)],
+    }
+
+
+def default_serve_config(cfg: K8sConfig) -> dict[str, Any]:
+    """A Ray Serve config serving `cfg.model` with tpuray.serve.llm, one replica per slice, each
+    replica tensor-parallel over a whole slice (one worker per chip)."""
+    topo = cfg.slice_topology
+    llm_config = {
+        "model_loading_config": {"model_id": cfg.model},
+        "accelerator_type": topo.accelerator_type,
+        "accelerator_config": {"kind": "tpu", "topology": topo.topology},
+        "placement_group_config": {"bundle_per_worker": {"TPU": 1}},
+        "engine_kwargs": {"tensor_parallel_size": topo.num_chips},
+        "deployment_config": {"num_replicas": cfg.num_slices},
+    }
+    return _openai_app({"llm_configs": [llm_config]}, cfg)
+
+
+def _openai_app(args: dict[str, Any], cfg: K8sConfig) -> dict[str, Any]:
+    app: dict[str, Any] = {
+        "name": "llm",
+        "route_prefix": "/",
+        "import_path": "tpuray.serve.llm:build_openai_app",
+        "args": args,
+    }
+    if cfg.runtime_env:
+        app["runtime_env"] = dict(cfg.runtime_env)
+    return {"applications": [app]}
+
+
+def serve_config(cfg: K8sConfig) -> dict[str, Any]:
+    if cfg.serve_config is None:
+        return default_serve_config(cfg)
+    if "applications" in cfg.serve_config:
+        return dict(cfg.serve_config)
+    return _openai_app(dict(cfg.serve_config), cfg)
+
+
+def _metadata(cfg: K8sConfig) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": cfg.name}
+    if cfg.namespace:
+        meta["namespace"] = cfg.namespace
+    meta["labels"] = {"app.kubernetes.io/created-by": "tpuray"}
+    return meta
+
+
+def build_manifest(cfg: K8sConfig) -> dict[str, Any]:
+    """The manifest for `cfg.kind` as a dict (apply with `kubectl apply -f`)."""
+    cluster = ray_cluster_spec(cfg)
+    if cfg.kind == "RayCluster":
+        spec = cluster
+    elif cfg.kind == "RayJob":
+        spec = {"entrypoint": cfg.entrypoint}
+        if cfg.runtime_env:
+            spec["runtimeEnvYAML"] = _dump(dict(cfg.runtime_env))
+        spec.update(
+            {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 300, "rayClusterSpec": cluster}
+        )
+    else:
+        spec = {"serveConfigV2": _dump(serve_config(cfg)), "rayClusterConfig": cluster}
+    return {"apiVersion": API_VERSION, "kind": cfg.kind, "metadata": _metadata(cfg), "spec": spec}
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None  # embedded YAML (serveConfigV2) stays readable
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def _dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def to_yaml(manifest: dict[str, Any], comment: str | None = None) -> str:
+    """YAML text for `kubectl apply -f`, with an optional leading `# comment` block."""
+    text = _dump(manifest)
+    if comment:
+        text = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines()) + text
+    return text
+
+
+def render(cfg: K8sConfig) -> str:
+    """`build_manifest` as YAML, headed by a comment describing the slices."""
+    topo = cfg.slice_topology
+    comment = (
+        f"Generated by tpuray: {cfg.describe()}.\n"
+        f"Needs a GKE node pool per slice ({cfg.gke_accelerator}, topology {topo.topology}), the KubeRay\n"
+        "operator and its TPU webhook (GKE Ray add-on), and an image with tpuray[tpu] installed."
+    )
+    return to_yaml(build_manifest(cfg), comment)
