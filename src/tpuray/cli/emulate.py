@@ -1,0 +1,77 @@
+"""`tpuray emulate up|down|status`: a detached local Ray cluster of emulated TPU slices."""
+
+from __future__ import annotations
+
+import argparse
+
+from tpuray.cli import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "emulate",
+        help="run emulated TPU slices as a local Ray cluster (CPU only)",
+        description=(
+            "Start, stop or inspect a detached local Ray cluster whose nodes are EMULATED TPU hosts: real "
+            "raylets with the TPU resources, labels and host env of GKE/KubeRay TPU hosts, computing on CPU."
+        ),
+    )
+    p.add_argument("action", choices=("up", "down", "status"))
+    p.add_argument(
+        "--accelerator-type", default="TPU-V6E", help="e.g. TPU-V6E, v5e, TPU-V4 (default TPU-V6E)"
+    )
+    p.add_argument("--topology", default="2x2", help="slice topology, e.g. 2x2, 4x4, 2x2x1 (default 2x2)")
+    p.add_argument("--num-slices", type=int, default=1, help="number of slices (default 1)")
+    p.add_argument("--head-cpus", type=int, default=4, help="logical CPUs of the CPU-only head node")
+    p.add_argument("--cpus-per-chip", type=int, default=2, help="logical CPUs per emulated chip")
+    p.add_argument(
+        "--state-dir", default=None, help="where the running cluster is recorded (~/.tpuray/emulator)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpuray.emulator import detached
+
+    if args.action == "up":
+        if args.num_slices < 1:
+            raise UsageError(f"--num-slices must be >= 1, got {args.num_slices}")
+        try:
+            state = detached.up(
+                args.accelerator_type,
+                args.topology,
+                args.num_slices,
+                head_cpus=args.head_cpus,
+                cpus_per_chip=args.cpus_per_chip,
+                path=args.state_dir,
+            )
+        except RuntimeError as e:
+            print(f"tpuray emulate up: {e}")
+            return 1
+        print(f"EMULATED TPU cluster up: {state['description']}")
+        _print_state(state)
+        print(f"connect with: ray.init(address={state['address']!r})   or   RAY_ADDRESS={state['address']}")
+        return 0
+    if args.action == "down":
+        state = detached.down(args.state_dir)
+        if state is None:
+            print("no emulated TPU cluster is running")
+            return 0
+        print(f"EMULATED TPU cluster at {state['address']} stopped")
+        return 0
+    state = detached.read_state(args.state_dir)
+    if state is None:
+        print("no emulated TPU cluster is running (start one with `tpuray emulate up`)")
+        return 1
+    print(f"EMULATED TPU cluster running: {state['description']} (pid {state['pid']})")
+    _print_state(state)
+    return 0
+
+
+def _print_state(state: dict) -> None:
+    print(f"  address: {state['address']}")
+    for s in state["slices"]:
+        print(
+            f"  slice {s['name']}: {s['accelerator_type']} {s['topology']} ({s['pod_type']}), "
+            f"{s['hosts']} host(s) x {s['chips_per_host']} chips [emulated]"
+        )

@@ -1,0 +1,302 @@
+"""EmulatedCluster: a local Ray cluster whose nodes are emulated TPU hosts.
+
+Each emulated host is a real raylet (ray.cluster_utils.Cluster.add_node) with the resources, labels and
+environment of a real GKE/KubeRay TPU host. Ray's own TPU detection runs on each node while its host
+env is in place, so resources and labels come out exactly as Ray computes them on real TPU VMs; the
+node also carries `tpuray.io/emulated=true` and `TPURAY_EMULATION=1` (in every worker's env).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
+
+logger = logging.getLogger(__name__)
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def _host_environ(env: dict[str, str]) -> Iterator[None]:
+    """Ray resolves a node's TPU resources/labels from os.environ of the process starting it."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> Any:
+    """cluster.add_node, retried when Ray's fixed 30 s node-registration wait runs out (a loaded machine).
+
+    A node that timed out is stopped before the retry, so no half-started raylet is left behind.
+    Call with _ENV_LOCK held (it swaps ray's Node class to keep a handle on the node being started).
+    """
+    import ray._private.node as ray_node
+
+    base = ray_node.Node
+    started: list[Any] = []
+
+    class _TrackedNode(base):  # type: ignore[misc, valid-type]
+        def start_head_processes(self) -> None:
+            started.append(self)
+            super().start_head_processes()
+
+        def start_ray_processes(self) -> None:
+            if self not in started:
+                started.append(self)
+            super().start_ray_processes()
+
+    for attempt in range(1, attempts + 1):
+        started.clear()
+        ray_node.Node = _TrackedNode
+        try:
+            return cluster.add_node(**node_args)
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                for node in started:
+                    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+                raise
+            logger.warning("emulated node start timed out (attempt %d/%d); retrying", attempt, attempts)
+            for node in started:
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        finally:
+            ray_node.Node = base
+    raise AssertionError("unreachable")
+
+
+class EmulatedCluster:
+    """Local Ray cluster: a CPU-only head node (drivers, Serve) plus emulated TPU hosts.
+
+    with EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=4) as cluster:
+        cluster.connect()           # or ray.init(address=cluster.address)
+        cluster.slices              # [EmulatedSlice(name, topology, hostnames, node_ids), ...]
+    """
+
+    def __init__(
+        self,
+        slices: Sequence[SliceRequest],
+        head_cpus: int = 4,
+        cpus_per_chip: int = 2,
+        host_memory_gb: float = 4.0,
+        object_store_mb: int = 128,
+        name_prefix: str = "emulated",
+        connect: bool = False,
+        include_dashboard: bool = False,
+    ) -> None:
+        if isinstance(slices, SliceRequest):
+            slices = [slices]
+        self.requests: list[SliceRequest] = list(slices)
+        if head_cpus < 0:
+            raise ValueError(f"head_cpus must be >= 0, got {head_cpus}")
+        if host_memory_gb <= 0:
+            raise ValueError(f"host_memory_gb must be > 0, got {host_memory_gb}")
+        if object_store_mb < 75:
+            raise ValueError(f"object_store_mb must be >= 75 (Ray's minimum), got {object_store_mb}")
+        self.head_cpus = head_cpus
+        self.cpus_per_chip = cpus_per_chip
+        self.host_memory_bytes = int(host_memory_gb * 1024**3)
+        self.object_store_bytes = object_store_mb * 1024**2
+        self.name_prefix = name_prefix
+        self.include_dashboard = include_dashboard
+        self._connect_on_enter = connect
+        # Validate the whole plan before starting anything.
+        self.slices: list[EmulatedSlice] = plan_slices(
+            self.requests, "127.0.0.1", name_prefix, cpus_per_chip, self.host_memory_bytes
+        )
+        self._cluster: Any = None
+        self._connected = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._cluster is not None
+
+    @property
+    def address(self) -> str:
+        if self._cluster is None:
+            raise RuntimeError("emulated cluster is not running: call start() or use it as a context manager")
+        return self._cluster.address
+
+    def start(self) -> EmulatedCluster:
+        if self._cluster is not None:
+            return self
+        import ray
+        from ray.cluster_utils import Cluster
+
+        logger.info("starting emulated TPU cluster: %s", self.describe())
+        cluster = Cluster(shutdown_at_exit=True)
+        self._cluster = cluster
+        try:
+            with _host_environ({}):
+                _add_node_with_retry(
+                    cluster,
+                    num_cpus=self.head_cpus,
+                    include_dashboard=self.include_dashboard,
+                    object_store_memory=self.object_store_bytes,
+                    labels={"tpuray.io/role": "head"},
+                )
+            ip = ray.util.get_node_ip_address()
+            # Hostnames: every emulated host lives on this machine, so they all resolve to its IP.
+            self.slices = plan_slices(
+                self.requests, ip, self.name_prefix, self.cpus_per_chip, self.host_memory_bytes
+            )
+            for sl in self.slices:
+                sl.node_ids = [self._add_host(host).node_id for host in sl.hosts]
+            cluster.wait_for_nodes()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("emulated TPU cluster up at %s (%d emulated hosts)", self.address, self.num_hosts)
+        return self
+
+    def _add_host(self, host: HostSpec) -> Any:
+        with _host_environ(host.env):
+            return _add_node_with_retry(
+                self._cluster,
+                num_cpus=host.num_cpus,
+                memory=host.memory,
+                object_store_memory=self.object_store_bytes,
+                resources=dict(host.resources),
+                labels=dict(host.labels),
+                env_vars=dict(host.env),
+                node_name=host.node_name,
+            )
+
+    def kill_host(self, node_id: str, timeout_s: float = 120.0) -> tuple[str, int]:
+        """Hard-kill one emulated TPU host (its raylet and workers), as a host failure would.
+
+        Returns once Ray reports the node dead, with the (slice name, worker id) token `restore_host` takes.
+        """
+        for sl in self.slices:
+            if node_id in sl.node_ids:
+                worker_id = sl.node_ids.index(node_id)
+                break
+        else:
+            raise ValueError(f"node {node_id!r} is not an emulated TPU host of {self!r}")
+        node = next(n for n in self._cluster.list_all_nodes() if n.node_id == node_id)
+        logger.info("killing emulated TPU host %s worker %d (node %s)", sl.name, worker_id, node_id)
+        self._cluster.remove_node(node, allow_graceful=False)
+        # The GCS notices a dead raylet by missed health checks; wait so callers see a consistent cluster.
+        deadline = time.monotonic() + timeout_s
+        while self._node_alive(node_id):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"GCS still reports killed node {node_id} alive after {timeout_s}s")
+            time.sleep(0.2)
+        return sl.name, worker_id
+
+    def _node_alive(self, node_id: str) -> bool:
+        for node in self._cluster.global_state.node_table():
+            if node["NodeID"] == node_id:
+                return bool(node["Alive"])
+        return False
+
+    def restore_host(self, token: tuple[str, int]) -> str:
+        """Start a replacement for a killed host: same slice name, worker id, resources, labels, env."""
+        name, worker_id = token
+        sl = next((s for s in self.slices if s.name == name), None)
+        if sl is None or not 0 <= worker_id < len(sl.hosts):
+            raise ValueError(f"no emulated host {token!r} in {self!r}")
+        node = self._add_host(sl.hosts[worker_id])
+        sl.node_ids[worker_id] = node.node_id
+        self._cluster.wait_for_nodes()
+        logger.info("restored emulated TPU host %s worker %d (node %s)", name, worker_id, node.node_id)
+        return node.node_id
+
+    def connect(self, namespace: str | None = None, **init_kwargs: Any) -> Any:
+        """ray.init() this process to the emulated cluster (the driver lives on the CPU head)."""
+        import ray
+
+        if ray.is_initialized():
+            current = ray.get_runtime_context().gcs_address
+            if current == self.address:
+                self._connected = True
+                return None
+            raise RuntimeError(
+                f"this process is already connected to another Ray cluster ({current}); "
+                f"call ray.shutdown() before connecting to the emulated cluster at {self.address}"
+            )
+        info = ray.init(address=self.address, namespace=namespace, **init_kwargs)
+        self._connected = True
+        return info
+
+    def shutdown(self) -> None:
+        """Disconnect this process (if connected here) and stop every node. Idempotent."""
+        cluster, self._cluster = self._cluster, None
+        if cluster is None:
+            return
+        import ray
+
+        if ray.is_initialized():
+            try:
+                same = ray.get_runtime_context().gcs_address == cluster.address
+            except Exception:
+                same = True
+            if same:
+                ray.shutdown()
+        self._connected = False
+        nodes = cluster.list_all_nodes()
+        try:
+            cluster.shutdown()
+        finally:
+            alive = [n for n in nodes if n.any_processes_alive()]
+            for node in alive:
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            for sl in self.slices:
+                sl.node_ids = []
+        logger.info("emulated TPU cluster stopped")
+
+    def __enter__(self) -> EmulatedCluster:
+        self.start()
+        if self._connect_on_enter:
+            self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        """Process ids of every Ray system process of every node (raylets, GCS, agents)."""
+        if self._cluster is None:
+            return []
+        return [
+            info.process.pid
+            for node in self._cluster.list_all_nodes()
+            for infos in node.all_processes.values()
+            for info in infos
+        ]
+
+    @property
+    def num_hosts(self) -> int:
+        return sum(len(sl.hosts) for sl in self.slices)
+
+    def layout_key(self) -> tuple:
+        return tuple(sorted(r.key() for r in self.requests))
+
+    def describe(self) -> str:
+        parts = []
+        for r in self.requests:
+            t = r.slice_topology
+            parts.append(f"{r.count} x {t.generation.accelerator_type} {t.topology} ({t.num_hosts} host(s))")
+        return "emulated TPU: " + ", ".join(parts)
+
+    def __repr__(self) -> str:
+        state = f"address={self._cluster.address!r}" if self._cluster else "stopped"
+        names = [sl.name for sl in self.slices]
+        return f"EmulatedCluster({self.describe()}; slices={names}; {state})"

@@ -1,0 +1,180 @@
+"""A detached emulated cluster for the CLI: `tpuray emulate up` outlives the command.
+
+`up()` spawns `python -m tpuray.emulator.detached` in its own session; that process runs an
+EmulatedCluster and writes a state file (pid, address, slices) once the cluster is ready. `down()`
+sends it SIGTERM and it shuts the cluster down (Ray's process reaper stops the nodes even if it is
+killed). The state lives in $TPURAY_STATE_DIR or ~/.tpuray/emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "cluster.json"
+LOG_FILE = "emulator.log"
+
+
+def state_dir(path: str | os.PathLike | None = None) -> Path:
+    if path is None:
+        path = os.environ.get("TPURAY_STATE_DIR") or Path.home() / ".tpuray" / "emulator"
+    return Path(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_state(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The running detached cluster's state, or None (a stale file is removed)."""
+    file = state_dir(path) / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not _alive(int(state.get("pid", -1))):
+        file.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def up(
+    accelerator_type: str,
+    topology: str,
+    num_slices: int = 1,
+    head_cpus: int = 4,
+    cpus_per_chip: int = 2,
+    path: str | os.PathLike | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Start a detached emulated cluster and return its state once it is ready."""
+    from tpuray.emulator.spec import SliceRequest
+
+    SliceRequest(accelerator_type, topology, num_slices)  # validate before starting anything
+    if head_cpus < 0 or cpus_per_chip < 1:
+        raise ValueError(f"head_cpus must be >= 0 and cpus_per_chip >= 1, got {head_cpus}, {cpus_per_chip}")
+    directory = state_dir(path)
+    running = read_state(directory)
+    if running:
+        raise RuntimeError(
+            f"an emulated cluster is already running at {running['address']} (pid {running['pid']}); "
+            "run `tpuray emulate down` first"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / LOG_FILE
+    cmd = [sys.executable, "-m", "tpuray.emulator.detached", "--state-dir", str(directory)]
+    cmd += ["--accelerator-type", accelerator_type, "--topology", topology, "--num-slices", str(num_slices)]
+    cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_state(directory)
+        if state and state.get("pid") == proc.pid:
+            return state
+        if proc.poll() is not None:
+            tail = log.read_text()[-2000:]
+            raise RuntimeError(
+                f"emulated cluster failed to start (exit {proc.returncode}); log {log}:\n{tail}"
+            )
+        time.sleep(0.5)
+    proc.terminate()
+    raise TimeoutError(f"emulated cluster not ready after {timeout_s}s; log: {log}")
+
+
+def down(path: str | os.PathLike | None = None, timeout_s: float = 120.0) -> dict[str, Any] | None:
+    """Stop the detached emulated cluster; returns its last state, or None if none was running."""
+    state = read_state(path)
+    if state is None:
+        return None
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):  # Ray's reaper stops the nodes when their parent dies
+        os.kill(pid, signal.SIGKILL)
+    (state_dir(path) / STATE_FILE).unlink(missing_ok=True)
+    return state
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tpuray.emulator.cluster import EmulatedCluster
+    from tpuray.emulator.spec import SliceRequest
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    directory = Path(args.state_dir)
+    stop = threading.Event()
+    request = SliceRequest(args.accelerator_type, args.topology, args.num_slices)
+    cluster = EmulatedCluster([request], head_cpus=args.head_cpus, cpus_per_chip=args.cpus_per_chip)
+    with cluster:
+        # After start: Ray's node start installs its own SIGTERM handler; ours shuts down cleanly.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        state = {
+            "pid": os.getpid(),
+            "emulated": True,
+            "address": cluster.address,
+            "description": cluster.describe(),
+            "started": time.time(),
+            "ray_pids": cluster.pids(),
+            "slices": [
+                {
+                    "name": s.name,
+                    "accelerator_type": s.topology.generation.accelerator_type,
+                    "topology": s.topology.topology,
+                    "pod_type": s.topology.pod_type,
+                    "hosts": s.topology.num_hosts,
+                    "chips_per_host": s.topology.chips_per_host,
+                    "node_ids": s.node_ids,
+                }
+                for s in cluster.slices
+            ],
+        }
+        tmp = directory / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(directory / STATE_FILE)
+        print(f"{cluster!r} ready", flush=True)
+        stop.wait()
+        print("stopping emulated cluster", flush=True)
+    (directory / STATE_FILE).unlink(missing_ok=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="run a detached emulated TPU cluster (used by `tpuray emulate up`)"
+    )
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--accelerator-type", required=True)
+    p.add_argument("--topology", required=True)
+    p.add_argument("--num-slices", type=int, default=1)
+    p.add_argument("--head-cpus", type=int, default=4)
+    p.add_argument("--cpus-per-chip", type=int, default=2)
+    return _serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What an emulated TPU cluster is made of: slice requests and the per-host node specs.
+
+Pure Python (no ray import): the node specs are plain resources, labels and env, exactly what Ray would
+detect on a real GKE/KubeRay TPU host, plus the markers that say the host is emulated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tpuray.topology import SliceTopology
+
+EMULATION_ENV = "TPURAY_EMULATION"
+EMULATED_LABEL = "tpuray.io/emulated"
+
+# Ray's node label keys (ray._raylet.RAY_NODE_TPU_*_KEY); spelled out so this module stays ray-free.
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """`count` emulated slices of one accelerator type and topology, e.g. SliceRequest("TPU-V6E", "2x2")."""
+
+    accelerator_type: str
+    topology: str
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ValueError(f"SliceRequest count must be an integer >= 1, got {self.count!r}")
+        SliceTopology.parse(self.accelerator_type, self.topology)  # ValueError naming what is valid
+
+    @property
+    def slice_topology(self) -> SliceTopology:
+        return SliceTopology.parse(self.accelerator_type, self.topology)
+
+    def key(self) -> tuple[str, tuple[int, int, int], int]:
+        """Canonical identity (so "v6e"/"TPU-V6E" and "4x4"/"4x4x1" compare equal)."""
+        topo = self.slice_topology
+        return (topo.generation.accelerator_type, tuple(topo.shape), self.count)
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One emulated TPU host = one Ray node."""
+
+    slice_name: str
+    worker_id: int
+    num_cpus: int
+    memory: int
+    resources: dict[str, float]
+    labels: dict[str, str]
+    env: dict[str, str]
+
+    @property
+    def node_name(self) -> str:
+        return f"emulated-tpu-host-{self.slice_name}-w{self.worker_id}"
+
+
+@dataclass
+class EmulatedSlice:
+    """One emulated slice: its name (TPU_NAME), topology, and the Ray nodes of its hosts (by worker id)."""
+
+    name: str
+    topology: SliceTopology
+    hostnames: list[str]
+    node_ids: list[str] = field(default_factory=list)
+    hosts: list[HostSpec] = field(default_factory=list, repr=False)
+
+    @property
+    def emulated(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (
+            f"EmulatedSlice(name={self.name!r}, {t.generation.accelerator_type} {t.topology}, "
+            f"hosts={t.num_hosts}, chips_per_host={t.chips_per_host}, node_ids={self.node_ids!r}, emulated)"
+        )
+
+
+def host_specs(
+    topo: SliceTopology,
+    slice_name: str,
+    hostname: str,
+    cpus_per_chip: int = 2,
+    host_memory_bytes: int = 4 * 1024**3,
+) -> list[HostSpec]:
+    """Node specs for every host of one emulated slice, ordered by worker id."""
+    if not _NAME_RE.match(slice_name):
+        raise ValueError(
+            f"slice name {slice_name!r} must be lowercase letters, digits and '-' (at most 42 characters)"
+        )
+    accel = topo.generation.accelerator_type
+    hostnames = ",".join([hostname] * topo.num_hosts)
+    specs = []
+    for worker_id in range(topo.num_hosts):
+        resources: dict[str, float] = {
+            "TPU": float(topo.chips_per_host),
+            slice_name: 1.0,
+            f"accelerator_type:{accel}": 1.0,
+        }
+        if worker_id == 0:
+            resources[topo.head_resource] = 1.0
+        labels = {
+            SLICE_NAME_LABEL: slice_name,
+            WORKER_ID_LABEL: str(worker_id),
+            TOPOLOGY_LABEL: topo.topology,
+            POD_TYPE_LABEL: topo.pod_type,
+            ACCELERATOR_LABEL: accel,
+            EMULATED_LABEL: "true",
+        }
+        env = {
+            "TPU_NAME": slice_name,
+            "TPU_WORKER_ID": str(worker_id),
+            "TPU_WORKER_HOSTNAMES": hostnames,
+            # GKE sets the pod type here ("v6e-16"); Ray derives accelerator_type and labels from it.
+            "TPU_ACCELERATOR_TYPE": topo.pod_type,
+            "TPU_TOPOLOGY": topo.topology,
+            EMULATION_ENV: "1",
+        }
+        specs.append(
+            HostSpec(
+                slice_name=slice_name,
+                worker_id=worker_id,
+                num_cpus=cpus_per_chip * topo.chips_per_host,
+                memory=host_memory_bytes,
+                resources=resources,
+                labels=labels,
+                env=env,
+            )
+        )
+    return specs
+
+
+def plan_slices(
+    requests: list[SliceRequest],
+    hostname: str,
+    name_prefix: str = "emulated",
+    cpus_per_chip: int = 2,
+    host_memory_bytes: int = 4 * 1024**3,
+) -> list[EmulatedSlice]:
+    """Name every requested slice (`<prefix>-<pod type>-<i>`) and lay out its hosts."""
+    if not requests:
+        raise ValueError("an emulated cluster needs at least one SliceRequest, got none")
+    if cpus_per_chip < 1:
+        raise ValueError(f"cpus_per_chip must be >= 1, got {cpus_per_chip}")
+    slices: list[EmulatedSlice] = []
+    index: dict[str, int] = {}
+    for req in requests:
+        if not isinstance(req, SliceRequest):
+            raise TypeError(f"expected SliceRequest, got {type(req).__name__}: {req!r}")
+        topo = req.slice_topology
+        for _ in range(req.count):
+            i = index.get(topo.pod_type, 0)
+            index[topo.pod_type] = i + 1
+            name = f"{name_prefix}-{topo.pod_type}-{i}"
+            hosts = host_specs(topo, name, hostname, cpus_per_chip, host_memory_bytes)
+            slices.append(EmulatedSlice(name, topo, [hostname] * topo.num_hosts, hosts=hosts))
+    return slices

@@ -1,0 +1,115 @@
+"""What TPU slices a Ray cluster has, read from node labels and resources (real or emulated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+EMULATED_LABEL = "tpuray.io/emulated"
+
+
+@dataclass
+class SliceInfo:
+    """One TPU slice as Ray sees it right now."""
+
+    name: str
+    accelerator_type: str
+    topology: str
+    pod_type: str
+    emulated: bool
+    node_ids: list[str] = field(default_factory=list)  # ordered by worker id
+    expected_hosts: int | None = None
+    chips: int = 0
+    free_chips: int = 0
+    head_free: bool = False
+
+    @property
+    def hosts(self) -> int:
+        return len(self.node_ids)
+
+    @property
+    def intact(self) -> bool:
+        return self.expected_hosts is None or self.hosts == self.expected_hosts
+
+    @property
+    def idle(self) -> bool:
+        return self.head_free and self.free_chips == self.chips
+
+    def summary(self) -> str:
+        state = "free" if self.idle else ("busy" if self.free_chips < self.chips else "reserved")
+        tag = " [emulated]" if self.emulated else ""
+        return f"{self.name} ({self.pod_type}, {self.topology}, {self.free_chips}/{self.chips} chips free, {state}){tag}"
+
+
+def list_slices() -> list[SliceInfo]:
+    """Every TPU slice of the connected Ray cluster, sorted by name (requires ray.init())."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    from tpuray.topology import SliceTopology
+
+    avail = available_resources_per_node()
+    slices: dict[str, SliceInfo] = {}
+    workers: dict[str, list[tuple[int, str]]] = {}
+    for node in ray.nodes():
+        labels = node.get("Labels") or {}
+        resources = node.get("Resources") or {}
+        name = labels.get(SLICE_NAME_LABEL)
+        if not node.get("Alive") or not name or not resources.get("TPU"):
+            continue
+        info = slices.get(name)
+        if info is None:
+            info = SliceInfo(
+                name=name,
+                accelerator_type=labels.get(ACCELERATOR_LABEL, ""),
+                topology=labels.get(TOPOLOGY_LABEL, ""),
+                pod_type=labels.get(POD_TYPE_LABEL, ""),
+                emulated=labels.get(EMULATED_LABEL) == "true",
+            )
+            try:
+                info.expected_hosts = SliceTopology.parse(info.pod_type, info.topology).num_hosts
+            except ValueError:
+                info.expected_hosts = None
+            slices[name] = info
+        node_id = node["NodeID"]
+        node_avail = avail.get(node_id, resources)
+        info.chips += int(resources["TPU"])
+        info.free_chips += int(node_avail.get("TPU", 0))
+        worker_id = int(labels.get(WORKER_ID_LABEL, "0") or 0)
+        workers.setdefault(name, []).append((worker_id, node_id))
+        head = f"TPU-{info.pod_type}-head"
+        if worker_id == 0 and resources.get(head):
+            info.head_free = node_avail.get(head, 0) >= 1
+    for name, info in slices.items():
+        info.node_ids = [node_id for _, node_id in sorted(workers[name])]
+    return [slices[k] for k in sorted(slices)]
+
+
+def format_slices(slices: list[SliceInfo]) -> str:
+    """A small text table (used by `tpuray status`)."""
+    if not slices:
+        return "no TPU slices in this Ray cluster"
+    header = ("SLICE", "TYPE", "TOPOLOGY", "HOSTS", "CHIPS FREE", "STATE", "KIND")
+    rows = [header]
+    for s in slices:
+        hosts = f"{s.hosts}/{s.expected_hosts}" if s.expected_hosts else str(s.hosts)
+        state = "free" if s.idle else ("busy" if s.free_chips < s.chips else "reserved")
+        if not s.intact:
+            state = "incomplete"
+        rows.append(
+            (
+                s.name,
+                s.accelerator_type or s.pod_type,
+                s.topology,
+                hosts,
+                f"{s.free_chips}/{s.chips}",
+                state,
+                "EMULATED" if s.emulated else "real",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

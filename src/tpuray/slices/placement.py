@@ -1,0 +1,322 @@
+"""SlicePlacementGroup: reserve whole TPU slices atomically with Ray placement groups.
+
+Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constructor names:
+1. a head placement group `[{"TPU-<pod>-head": 1}]` per slice (label selector: worker id 0, pod type)
+   picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
+   extra task);
+2. one placement group with one bundle per host (or per chip share), each bound by label selector to
+   `{ray.io/tpu-slice-name: <slice>, ray.io/tpu-worker-id: <worker>}`, ordered slice-major by worker id.
+The constructor returns once every bundle is placed; if that does not happen within `timeout_s`, every
+placement group it created is removed and SliceReservationTimeout says what was asked and what exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tpuray.slices.inventory import (
+    POD_TYPE_LABEL,
+    SLICE_NAME_LABEL,
+    WORKER_ID_LABEL,
+    format_slices,
+    list_slices,
+)
+from tpuray.topology import SliceTopology, get_generation
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TPU_SHARES = (1, 2, 4, 8)
+
+
+class SliceReservationTimeout(TimeoutError):
+    """No free slice(s) within the timeout. Nothing stays reserved."""
+
+
+def _validate_bundle(resources_per_bundle: dict[str, float] | None, chips_per_host: int) -> dict[str, float]:
+    if resources_per_bundle is None:
+        return {"CPU": 1.0, "TPU": float(chips_per_host)}
+    if not isinstance(resources_per_bundle, dict) or not resources_per_bundle:
+        raise ValueError(f"resources_per_bundle must be a non-empty dict, got {resources_per_bundle!r}")
+    for key, value in resources_per_bundle.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"resources_per_bundle[{key!r}]={value!r} must be a number >= 0")
+    bundle = {k: float(v) for k, v in resources_per_bundle.items()}
+    bundle.setdefault("CPU", 1.0)
+    bundle.setdefault("TPU", float(chips_per_host))
+    tpu = bundle["TPU"]
+    if tpu not in TPU_SHARES or chips_per_host % int(tpu):
+        valid = [s for s in TPU_SHARES if s <= chips_per_host and chips_per_host % s == 0]
+        raise ValueError(
+            f"resources_per_bundle TPU={tpu:g} must divide the {chips_per_host} chips of a host; valid: {valid}"
+        )
+    return bundle
+
+
+class SlicePlacementGroup:
+    """A reservation of `num_slices` whole TPU slices: one placement group, bundles slice-major by worker id."""
+
+    def __init__(
+        self,
+        topology: str,
+        accelerator_version: str,
+        resources_per_bundle: dict[str, float] | None = None,
+        strategy: str = "SPREAD",
+        name: str = "",
+        lifetime: str | None = None,
+        num_slices: int = 1,
+        chips_per_vm: int | None = None,
+        head_reservation_timeout_s: float | None = None,
+        bundle_label_selector: list[dict[str, str]] | None = None,
+        timeout_s: float | None = 60.0,
+    ) -> None:
+        self._head_pgs: list[Any] = []
+        self._pg: Any = None
+        # -- validate everything before touching the cluster --
+        self._generation = get_generation(accelerator_version)
+        self._topology = SliceTopology.parse(self._generation.accelerator_type, topology)
+        topo = self._topology
+        if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
+            raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
+        if chips_per_vm is not None and chips_per_vm != topo.chips_per_host:
+            raise ValueError(
+                f"chips_per_vm={chips_per_vm!r} does not match {topo.pod_type} ({topo.topology}), which has "
+                f"{topo.chips_per_host} chips per host"
+            )
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is not valid; valid: {list(STRATEGIES)}")
+        if lifetime not in (None, "detached"):
+            raise ValueError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
+        if head_reservation_timeout_s is not None:
+            timeout_s = head_reservation_timeout_s
+        if timeout_s is not None and (not isinstance(timeout_s, int | float) or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a number > 0 or None (wait forever), got {timeout_s!r}")
+        self._bundle = _validate_bundle(resources_per_bundle, topo.chips_per_host)
+        self._bundles_per_host = topo.chips_per_host // int(self._bundle["TPU"])
+        self._num_slices = num_slices
+        self._bundles_per_slice = topo.num_hosts * self._bundles_per_host
+        if bundle_label_selector is not None and len(bundle_label_selector) != self.num_bundles:
+            raise ValueError(
+                f"bundle_label_selector has {len(bundle_label_selector)} entries; it must have one per "
+                f"bundle ({self.num_bundles})"
+            )
+        self._user_selector = bundle_label_selector or [{} for _ in range(self.num_bundles)]
+        self._strategy, self._name, self._lifetime = strategy, name, lifetime
+        self._timeout_s = timeout_s
+        self._slice_names: list[str] = []
+        self._selector: list[dict[str, str]] = []
+
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("SlicePlacementGroup needs a Ray connection: call ray.init() first")
+        try:
+            self._reserve()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- reservation ----------------------------------------------------------------------------
+
+    def _remaining(self, start: float) -> float | None:
+        if self._timeout_s is None:
+            return None
+        return max(0.0, self._timeout_s - (time.monotonic() - start))
+
+    def _reserve(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        topo, start = self._topology, time.monotonic()
+        head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
+        # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
+        idle = [s.name for s in list_slices() if s.pod_type == topo.pod_type and s.idle and s.intact]
+        if len(idle) >= self._num_slices:
+            head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
+        for i in range(self._num_slices):
+            self._head_pgs.append(
+                placement_group(
+                    [{topo.head_resource: 1}],
+                    bundle_label_selector=[dict(head_selector)],
+                    name=f"{self._name}-head-{i}" if self._name else "",
+                    lifetime=self._lifetime,
+                )
+            )
+        ready, _ = ray.wait(
+            [pg.ready() for pg in self._head_pgs],
+            num_returns=self._num_slices,
+            timeout=self._remaining(start),
+        )
+        if len(ready) < self._num_slices:
+            self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved")
+
+        node_of = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
+        labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes()}
+        self._slice_names = [labels[node_id][SLICE_NAME_LABEL] for node_id in node_of]
+
+        bundles, selector = [], []
+        for slice_name in self._slice_names:
+            for worker in range(topo.num_hosts):
+                for _ in range(self._bundles_per_host):
+                    user = self._user_selector[len(selector)]
+                    selector.append({**user, SLICE_NAME_LABEL: slice_name, WORKER_ID_LABEL: str(worker)})
+                    bundles.append(dict(self._bundle))
+        self._selector = selector
+        self._pg = placement_group(
+            bundles,
+            strategy=self._strategy,
+            name=self._name,
+            lifetime=self._lifetime,
+            bundle_label_selector=selector,
+        )
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._remaining(start))
+        if not ready:
+            self._fail(
+                f"slice head(s) {self._slice_names} reserved, but their hosts' bundles could not be placed"
+            )
+        logger.info("reserved %s", self)
+
+    def _fail(self, what: str) -> None:
+        topo = self._topology
+        self.shutdown()
+        try:
+            existing = format_slices(list_slices())
+        except Exception as e:  # the error itself must not fail
+            existing = f"(could not list slices: {e})"
+        raise SliceReservationTimeout(
+            f"could not reserve {self._num_slices} x {topo.generation.accelerator_type} {topo.topology} slice(s) "
+            f"(pod type {topo.pod_type}, {topo.num_hosts} host(s) x {topo.chips_per_host} chips, head resource "
+            f"{topo.head_resource}, bundle {self._bundle}) within {self._timeout_s}s: {what}. All partial "
+            f"reservations were released. TPU slices in this cluster:\n{existing}"
+        )
+
+    # -- handle ---------------------------------------------------------------------------------
+
+    @property
+    def placement_group(self) -> Any:
+        return self._pg
+
+    @property
+    def slice_placement_group(self) -> Any:  # Ray's name
+        return self._pg
+
+    @property
+    def head_placement_groups(self) -> list[Any]:
+        return list(self._head_pgs)
+
+    @property
+    def bundle_label_selector(self) -> list[dict[str, str]]:
+        return [dict(s) for s in self._selector]
+
+    @property
+    def bundle_resources(self) -> dict[str, float]:
+        return dict(self._bundle)
+
+    @property
+    def topology(self) -> SliceTopology:
+        return self._topology
+
+    @property
+    def accelerator_version(self) -> str:
+        return self._generation.name
+
+    @property
+    def num_slices(self) -> int:
+        return self._num_slices
+
+    @property
+    def slice_names(self) -> list[str]:
+        return list(self._slice_names)
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts over all slices (Ray's meaning)."""
+        return self._topology.num_hosts * self._num_slices
+
+    @property
+    def chips_per_host(self) -> int:
+        return self._topology.chips_per_host
+
+    @property
+    def num_bundles(self) -> int:
+        return self._bundles_per_slice * self._num_slices
+
+    def bundle_index(self, slice_index: int = 0, worker_id: int = 0, share: int = 0) -> int:
+        """Bundle of chip share `share` on host `worker_id` of slice `slice_index`."""
+        if not 0 <= slice_index < self._num_slices:
+            raise ValueError(f"slice_index {slice_index} out of range 0..{self._num_slices - 1}")
+        if not 0 <= worker_id < self._topology.num_hosts:
+            raise ValueError(f"worker_id {worker_id} out of range 0..{self._topology.num_hosts - 1}")
+        if not 0 <= share < self._bundles_per_host:
+            raise ValueError(f"share {share} out of range 0..{self._bundles_per_host - 1}")
+        return slice_index * self._bundles_per_slice + worker_id * self._bundles_per_host + share
+
+    def scheduling_strategy(self, bundle_index: int = -1) -> Any:
+        """PlacementGroupSchedulingStrategy for one bundle (-1: any bundle)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._pg is None:
+            raise RuntimeError("this SlicePlacementGroup was shut down")
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self._pg,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        )
+
+    def release_head_pgs(self) -> None:
+        """Drop the head reservations (the worker placement group keeps holding every chip). Idempotent."""
+        from ray.util.placement_group import remove_placement_group
+
+        heads, self._head_pgs = self._head_pgs, []
+        for pg in heads:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                logger.exception("failed to remove TPU head placement group %s", pg.id)
+
+    def shutdown(self) -> None:
+        """Release every placement group of this reservation. Idempotent; safe after a failed reserve."""
+        from ray.util.placement_group import remove_placement_group
+
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                logger.exception("failed to remove TPU slice placement group %s", pg.id)
+        self.release_head_pgs()
+
+    def __enter__(self) -> SlicePlacementGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        topo = self._topology
+        state = "released" if self._pg is None else f"slices={self._slice_names}"
+        return (
+            f"SlicePlacementGroup({self._num_slices} x {topo.pod_type} {topo.topology}, "
+            f"{self.num_bundles} bundle(s) of {self._bundle}, {state})"
+        )
+
+
+def slice_placement_group(
+    topology: str,
+    accelerator_version: str,
+    resources_per_bundle: dict[str, float] | None = None,
+    num_slices: int = 1,
+    chips_per_vm: int | None = None,
+    **kwargs: Any,
+) -> SlicePlacementGroup:
+    """Function form, as `ray.util.tpu.slice_placement_group` (kwargs: strategy, name, lifetime, timeout_s...)."""
+    return SlicePlacementGroup(
+        topology=topology,
+        accelerator_version=accelerator_version,
+        resources_per_bundle=resources_per_bundle,
+        num_slices=num_slices,
+        chips_per_vm=chips_per_vm,
+        **kwargs,
+    )

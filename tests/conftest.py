@@ -1,0 +1,136 @@
+"""Shared pytest fixtures: real local Ray clusters made of emulated TPU hosts (never mocks).
+
+Fixtures
+--------
+emulated_cluster (session)
+    A running `tpuray.emulator.EmulatedCluster`: CPU-only head (4 CPUs, drivers / Serve) + TWO v6e 2x2
+    slices (one 4-chip host each, 8 logical CPUs per host), with this test process `ray.init`-ed to it.
+    Use it from function, module or session fixtures:
+
+        def test_x(emulated_cluster):
+            emulated_cluster.slices[0].name       # "emulated-v6e-4-0"
+            ray.get(f.options(resources={"TPU": 1}).remote())
+
+cluster_manager (session)
+    Swaps layouts: `cluster_manager.get(SliceRequest("TPU-V5E", "2x2", count=2))` shuts the current
+    cluster down (ray.shutdown + every node), starts the requested one and connects; it keeps the current
+    cluster when the layout already matches (and its head has >= `head_cpus`). `cluster_manager.get()`
+    (no args) is the default layout.
+    Tests that request `cluster_manager` but not `emulated_cluster` are run after all other tests, so the
+    default cluster is restarted at most once; the default is restarted lazily for any later test using
+    `emulated_cluster`.
+
+pg_leak_check (function)
+    After the test, asserts that no placement group created during the test is still alive
+    (`ray.util.placement_group_table()`); yields a callable to run the same check mid-test.
+
+At session end the connection is closed and every node (raylets, GCS, workers) is stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tpuray.emulator import EmulatedCluster, SliceRequest
+
+DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
+TEST_NAMESPACE = "tpuray-tests"
+
+
+class ClusterManager:
+    """Keeps at most one emulated cluster running; one EmulatedCluster object per layout."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[tuple, EmulatedCluster] = {}
+        self.current: EmulatedCluster | None = None
+
+    def get(self, *requests: SliceRequest, head_cpus: int = 4) -> EmulatedCluster:
+        import ray
+
+        requests = requests or DEFAULT_LAYOUT
+        wanted = EmulatedCluster(list(requests), head_cpus=head_cpus)
+        cluster = self._clusters.setdefault(wanted.layout_key(), wanted)
+        if cluster.head_cpus < head_cpus:  # a bigger head is fine; a smaller one is not
+            if cluster is self.current:
+                cluster.shutdown()
+            cluster.head_cpus = head_cpus
+        if self.current is not cluster or not cluster.running:
+            if self.current is not None:
+                self.current.shutdown()
+                self.current = None
+            cluster.start()
+            self.current = cluster
+        if not ray.is_initialized():
+            cluster.connect(namespace=TEST_NAMESPACE)
+        return cluster
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.current is not None:
+            self.current.shutdown()
+            self.current = None
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cluster_manager() -> Iterator[ClusterManager]:
+    manager = ClusterManager()
+    try:
+        yield manager
+    finally:
+        manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def emulated_cluster(cluster_manager: ClusterManager) -> EmulatedCluster:
+    return cluster_manager.get()
+
+
+@pytest.fixture(autouse=True)
+def _default_layout_guard(request: pytest.FixtureRequest) -> None:
+    """Restart the default cluster (lazily) if an earlier test swapped the layout."""
+    if "emulated_cluster" in request.fixturenames:
+        request.getfixturevalue("cluster_manager").get()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run layout-swapping tests (cluster_manager without emulated_cluster) last, in their order."""
+
+    def swaps(item: pytest.Item) -> bool:
+        names = getattr(item, "fixturenames", ())
+        return "cluster_manager" in names and "emulated_cluster" not in names
+
+    items.sort(key=swaps)
+
+
+def live_placement_groups() -> dict[str, dict]:
+    """Placement groups that are not REMOVED, by id."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    table = ray.util.placement_group_table()
+    return {pg_id: info for pg_id, info in table.items() if info.get("state") != "REMOVED"}
+
+
+@pytest.fixture
+def pg_leak_check() -> Iterator[Callable[[], None]]:
+    before = set(live_placement_groups())
+
+    def check() -> None:
+        # Removal is an async GCS update: allow it a moment to land, then require it.
+        deadline = time.monotonic() + 10.0
+        leaked = {k: v for k, v in live_placement_groups().items() if k not in before}
+        while leaked and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leaked = {k: v for k, v in live_placement_groups().items() if k not in before}
+        summary = {k: (v.get("name"), v.get("state"), v.get("bundles")) for k, v in leaked.items()}
+        assert not leaked, f"leaked placement groups: {summary}"
+
+    yield check
+    check()

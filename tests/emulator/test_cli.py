@@ -1,0 +1,55 @@
+"""`tpuray emulate up|status|down` and `tpuray status`, run as real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tpuray.emulator.detached import _alive
+
+
+def _tpuray(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tpuray.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_bad_topology_is_a_usage_error(tmp_path) -> None:
+    out = _tpuray("emulate", "up", "--topology", "3x3", "--state-dir", str(tmp_path))
+    assert out.returncode == 2 and "3x3" in out.stderr and "valid" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_status_lists_emulated_slices(emulated_cluster) -> None:
+    out = _tpuray("status", "--address", emulated_cluster.address)
+    assert out.returncode == 0, out.stderr
+    for s in emulated_cluster.slices:
+        assert s.name in out.stdout
+    assert "EMULATED" in out.stdout and "v6e" in out.stdout.lower()
+
+
+def test_emulate_up_status_down(tmp_path) -> None:
+    state = ["--state-dir", str(tmp_path)]
+    up = _tpuray("emulate", "up", "--topology", "2x2", "--head-cpus", "1", *state)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "EMULATED" in up.stdout and "emulated-v6e-4-0" in up.stdout
+        from tpuray.emulator.detached import read_state
+
+        info = read_state(tmp_path)
+        assert info and info["emulated"] and info["ray_pids"]
+        again = _tpuray("emulate", "up", *state)
+        assert again.returncode == 1 and "already running" in again.stdout
+        status = _tpuray("emulate", "status", *state)
+        assert status.returncode == 0 and info["address"] in status.stdout
+    finally:
+        down = _tpuray("emulate", "down", *state)
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert not _alive(info["pid"])
+    assert not [pid for pid in info["ray_pids"] if _alive(pid)]  # no raylet / GCS survives
+    assert _tpuray("emulate", "status", *state).returncode == 1

@@ -1,0 +1,89 @@
+"""Other emulated layouts (these swap the shared cluster; conftest runs them after the default-layout tests).
+
+The 4x4 test comes last so that later 4x4 tests (tests/train) reuse its cluster."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from tpuray import SlicePlacementGroup
+from tpuray.emulator import SliceRequest
+from tpuray.slices import SliceReservationTimeout, list_slices
+
+
+@ray.remote(num_cpus=0)
+class ChipProbe:
+    def info(self) -> dict:
+        from tpuray.isolation import apply_process_env
+
+        env = apply_process_env()
+        return {"node": ray.get_runtime_context().get_node_id(), "env": env, "os": dict(os.environ)}
+
+
+def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
+    cluster = cluster_manager.get(SliceRequest("v5e", "2x2", count=2))
+    infos = list_slices()
+    assert [s.name for s in infos] == [s.name for s in cluster.slices]
+    assert all(s.emulated and s.pod_type == "v5litepod-4" and s.idle for s in infos)
+    assert all(s.accelerator_type == "TPU-V5LITEPOD" for s in infos)
+    a = SlicePlacementGroup(topology="2x2", accelerator_version="v5e", timeout_s=60)
+    b = SlicePlacementGroup(topology="2x2", accelerator_version="TPU-V5LITEPOD", timeout_s=60)
+    try:
+        assert sorted(a.slice_names + b.slice_names) == sorted(s.name for s in cluster.slices)
+        with pytest.raises(SliceReservationTimeout, match="v5litepod-4"):
+            SlicePlacementGroup(topology="2x2", accelerator_version="v5e", timeout_s=2)
+        with pytest.raises(SliceReservationTimeout, match="v6e-4"):  # no v6e slices here at all
+            SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=1)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.slow
+def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check) -> None:
+    cluster = cluster_manager.get(SliceRequest("TPU-V6E", "4x4"))
+    (sl,) = cluster.slices
+    assert len(sl.node_ids) == 4
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    for worker_id, node_id in enumerate(sl.node_ids):
+        labels, res = nodes[node_id]["Labels"], nodes[node_id]["Resources"]
+        assert labels["ray.io/tpu-worker-id"] == str(worker_id)
+        assert labels["ray.io/tpu-pod-type"] == "v6e-16" and labels["ray.io/tpu-topology"] == "4x4"
+        assert res["TPU"] == 4 and res[sl.name] == 1
+        assert ("TPU-v6e-16-head" in res) == (worker_id == 0)
+
+    # Ray 2.60's own SlicePlacementGroup reserves the emulated multi-host slice.
+    from ray.util.tpu import SlicePlacementGroup as RaySlicePlacementGroup
+
+    ray_spg = RaySlicePlacementGroup(topology="4x4", accelerator_version="v6e")
+    try:
+        assert ray.get(ray_spg.placement_group.ready(), timeout=60)
+        assert ray_spg.bundle_label_selector == [{"ray.io/tpu-slice-name": sl.name}] * 4
+    finally:
+        ray_spg.shutdown()
+
+    with SlicePlacementGroup(topology="4x4", accelerator_version="v6e", timeout_s=60) as spg:
+        assert spg.num_hosts == 4 and spg.slice_names == [sl.name]
+        table = ray.util.placement_group_table(spg.placement_group)["bundles_to_node_id"]
+        assert [table[i] for i in range(4)] == sl.node_ids  # bundles ordered by worker id
+        probes = [
+            ChipProbe.options(
+                resources={"TPU": 1}, scheduling_strategy=spg.scheduling_strategy(i // 4)
+            ).remote()
+            for i in range(16)
+        ]
+        infos = ray.get([p.info.remote() for p in probes], timeout=300)
+        for p in probes:
+            ray.kill(p)
+    ranks = sorted(int(i["env"]["CLOUD_TPU_TASK_ID"]) for i in infos)
+    assert ranks == list(range(16))  # every chip of the slice exactly once
+    for i in infos:
+        env, host_env = i["env"], i["os"]
+        assert sl.node_ids[int(env["TPU_WORKER_ID"])] == i["node"]
+        assert env["TPU_PROCESS_BOUNDS"] == "4,4,1" and env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+        assert host_env["TPU_VISIBLE_CHIPS"] == env["TPU_VISIBLE_CHIPS"]
+        assert "TPU_HOST_BOUNDS" not in host_env  # Ray's single-host bounds dropped
+        assert host_env["TPURAY_EMULATION"] == "1"

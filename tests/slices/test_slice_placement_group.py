@@ -1,0 +1,145 @@
+"""SlicePlacementGroup on the shared emulated cluster (two v6e 2x2 slices): atomic, exclusive, leak-free."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from tpuray import SlicePlacementGroup, slice_placement_group
+from tpuray.slices import SliceReservationTimeout, list_slices
+
+
+@ray.remote(num_cpus=0)
+class ChipProbe:
+    def info(self) -> dict:
+        from tpuray.isolation import process_env
+
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "tpu_name": os.environ["TPU_NAME"],
+            "visible": os.environ.get("TPU_VISIBLE_CHIPS"),
+            "env": process_env(),
+        }
+
+
+def _live_pg_count() -> int:
+    return sum(1 for v in ray.util.placement_group_table().values() if v["state"] != "REMOVED")
+
+
+def test_reserve_one_slice(emulated_cluster, pg_leak_check) -> None:
+    with SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60) as spg:
+        assert ray.get(spg.placement_group.ready(), timeout=30)
+        assert spg.num_hosts == 1 and spg.chips_per_host == 4 and spg.num_bundles == 1
+        (name,) = spg.slice_names
+        assert name in {s.name for s in emulated_cluster.slices}
+        assert spg.bundle_label_selector == [{"ray.io/tpu-slice-name": name, "ray.io/tpu-worker-id": "0"}]
+        assert spg.bundle_resources == {"CPU": 1.0, "TPU": 4.0}
+        assert spg.topology.pod_type == "v6e-4"
+        assert [s for s in list_slices() if s.name == name][0].free_chips == 0
+        probe = ChipProbe.options(
+            resources={"TPU": 4}, scheduling_strategy=spg.scheduling_strategy(0)
+        ).remote()
+        info = ray.get(probe.info.remote(), timeout=300)
+        assert info["tpu_name"] == name and info["visible"] == "0,1,2,3"
+        ray.kill(probe)
+    assert spg.placement_group is None
+    spg.shutdown()  # idempotent
+
+
+def test_two_reservations_never_share_and_a_third_times_out(emulated_cluster, pg_leak_check) -> None:
+    a = slice_placement_group("2x2", "TPU-V6E", timeout_s=60)
+    b = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
+    try:
+        assert set(a.slice_names) | set(b.slice_names) == {s.name for s in emulated_cluster.slices}
+        live = _live_pg_count()
+        with pytest.raises(SliceReservationTimeout) as err:
+            SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=2)
+        msg = str(err.value)
+        assert "v6e-4" in msg and "2x2" in msg and "released" in msg
+        assert all(s.name in msg for s in emulated_cluster.slices)  # names what exists
+        assert isinstance(err.value, TimeoutError)
+        assert _live_pg_count() <= live  # the failed attempt left nothing behind
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_multislice_reserves_distinct_slices_in_order(emulated_cluster, pg_leak_check) -> None:
+    with SlicePlacementGroup(topology="2x2", accelerator_version="v6e", num_slices=2, timeout_s=60) as spg:
+        assert spg.num_slices == 2 and spg.num_bundles == 2 and spg.num_hosts == 2
+        assert len(set(spg.slice_names)) == 2
+        selectors = spg.bundle_label_selector
+        assert [s["ray.io/tpu-slice-name"] for s in selectors] == spg.slice_names
+        assert spg.bundle_index(1, 0) == 1
+
+
+def test_per_chip_bundles_and_isolation(emulated_cluster, pg_leak_check) -> None:
+    with SlicePlacementGroup(
+        topology="2x2", accelerator_version="v6e", resources_per_bundle={"TPU": 1}, timeout_s=60
+    ) as spg:
+        assert spg.num_bundles == 4
+        probes = [
+            ChipProbe.options(resources={"TPU": 1}, scheduling_strategy=spg.scheduling_strategy(i)).remote()
+            for i in range(spg.num_bundles)
+        ]
+        infos = ray.get([p.info.remote() for p in probes], timeout=300)
+        for p in probes:
+            ray.kill(p)
+    chips = sorted(i["visible"] for i in infos)
+    assert chips == ["0", "1", "2", "3"]  # one chip each, never shared
+    assert {i["tpu_name"] for i in infos} == set(spg.slice_names)
+    ranks = sorted(int(i["env"]["CLOUD_TPU_TASK_ID"]) for i in infos)
+    assert ranks == [0, 1, 2, 3]
+    for i in infos:
+        assert i["env"]["TPU_VISIBLE_CHIPS"] == i["visible"]
+        assert i["env"]["TPU_PROCESS_PORT"] == str(8476 + int(i["visible"]))
+
+
+def test_busy_hosts_time_out_and_release_everything(emulated_cluster, pg_leak_check) -> None:
+    """One slice reserved, the other's chips held by a plain actor: the head PG succeeds, the hosts don't."""
+    held = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
+    (free,) = {s.name for s in emulated_cluster.slices} - set(held.slice_names)
+    hog = ChipProbe.options(resources={"TPU": 1, free: 0.01}).remote()
+    try:
+        ray.get(hog.info.remote(), timeout=300)
+        live = _live_pg_count()
+        with pytest.raises(SliceReservationTimeout, match="could not be placed"):
+            SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=3)
+        assert _live_pg_count() == live
+    finally:
+        ray.kill(hog)
+        held.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"topology": "3x3", "accelerator_version": "v6e"}, "3x3"),
+        ({"topology": "2x2", "accelerator_version": "v99"}, "v99"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "num_slices": 0}, "num_slices"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "strategy": "EVERYWHERE"}, "EVERYWHERE"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "resources_per_bundle": {"TPU": 3}}, "TPU=3"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "timeout_s": -1}, "timeout_s"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "chips_per_vm": 8}, "chips_per_vm"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "bundle_label_selector": [{}, {}]}, "one per"),
+    ],
+)
+def test_bad_input_raises_before_reserving(emulated_cluster, pg_leak_check, kwargs, match) -> None:
+    before = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match=match):
+        SlicePlacementGroup(**kwargs)
+    assert len(ray.util.placement_group_table()) == before  # nothing was even created
+
+
+def test_prefers_a_fully_free_slice(emulated_cluster, pg_leak_check) -> None:
+    """A plain actor holds one chip of slice 0 (its head is free): the reservation takes slice 1."""
+    busy, free = (s.name for s in emulated_cluster.slices)
+    hog = ChipProbe.options(resources={"TPU": 1, busy: 0.01}).remote()
+    try:
+        ray.get(hog.info.remote(), timeout=300)
+        with SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60) as spg:
+            assert spg.slice_names == [free]
+    finally:
+        ray.kill(hog)
