@@ -1,0 +1,282 @@
+"""Benchmark tpuray.serve.llm on an emulated cluster (v6e 2x2 slice + v6e 1x1 slice, CPU-backed).
+
+1. HTTP overhead: p50/p99 latency of POST /v1/completions (Ray Serve proxy -> ingress -> LLM replica)
+   vs calling the same ModelServer directly in this process (goal: overhead <= 5 ms at p50).
+2. Continuous batching: tokens/s of 16 concurrent HTTP clients vs one sequential client (goal >= 4x).
+3. Tensor parallelism on the emulator: the same engine with 4 chips (2x2 slice, tpu_dist all_reduce over
+   gloo) vs 1 chip (1x1 slice). The emulated chips are CPU processes sharing this machine's cores, so
+   this measures the overhead of the sharded path, not TPU speed.
+
+    .venv/bin/python benchmarks/bench_serve.py [--requests 100] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_latencies(url: str, n: int) -> list[float]:
+    import httpx
+
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 1, "temperature": 0}
+    out = []
+    async with httpx.AsyncClient(timeout=120) as c:
+        for i in range(n + 5):
+            t = time.perf_counter()
+            r = await c.post(url + "/v1/completions", json=body)
+            r.raise_for_status()
+            if i >= 5:  # warm-up
+                out.append(time.perf_counter() - t)
+    return out
+
+
+async def health_latencies(url: str, n: int) -> list[float]:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=120) as c:
+        for i in range(n + 5):
+            t = time.perf_counter()
+            (await c.get(url + "/health")).raise_for_status()
+            if i >= 5:
+                out.append(time.perf_counter() - t)
+    return out
+
+
+async def direct_throughput(server, clients: int, per_client: int, max_tokens: int) -> float:
+    from tpuray.serve.llm.protocol import CompletionRequest
+
+    async def client(k):
+        toks = 0
+        for j in range(per_client):
+            req = CompletionRequest(
+                model="tiny", prompt=f"client {k} request {j}", max_tokens=max_tokens, seed=k * 1000 + j
+            )
+            toks += (await server.completions(req))["usage"]["completion_tokens"]
+        return toks
+
+    t = time.perf_counter()
+    toks = sum(await asyncio.gather(*(client(k) for k in range(clients))))
+    return toks / (time.perf_counter() - t)
+
+
+async def direct_latencies(server, n: int) -> list[float]:
+    from tpuray.serve.llm.protocol import CompletionRequest
+
+    out = []
+    for i in range(n + 5):
+        req = CompletionRequest(model="tiny", prompt="Hello world", max_tokens=1, temperature=0)
+        t = time.perf_counter()
+        await server.completions(req)
+        if i >= 5:
+            out.append(time.perf_counter() - t)
+    return out
+
+
+async def http_throughput(url: str, clients: int, per_client: int, max_tokens: int) -> float:
+    import httpx
+
+    async def client(c, k):
+        toks = 0
+        for j in range(per_client):
+            body = {
+                "model": "tiny",
+                "prompt": f"client {k} request {j}",
+                "max_tokens": max_tokens,
+                "seed": k * 1000 + j,
+            }
+            r = await c.post(url + "/v1/completions", json=body)
+            r.raise_for_status()
+            toks += r.json()["usage"]["completion_tokens"]
+        return toks
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        t = time.perf_counter()
+        toks = sum(await asyncio.gather(*(client(c, k) for k in range(clients))))
+        return toks / (time.perf_counter() - t)
+
+
+async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, float]:
+    """(ms per token for one sequence, tokens/s with `clients` concurrent sequences)."""
+    from tpuray.serve.llm.engine.sampling import SamplingParams
+
+    async def one(prompt: str, seed: int) -> int:
+        n = 0
+        async for out in engine.generate(
+            engine.encode_prompt(prompt), SamplingParams(max_tokens, 1.0, seed=seed)
+        ):
+            n = out.completion_tokens
+        return n
+
+    await one("warm up", 0)
+    t = time.perf_counter()
+    n = await one("single stream", 1)
+    ms_per_token = (time.perf_counter() - t) * 1000 / max(n, 1)
+    t = time.perf_counter()
+    total = sum(await asyncio.gather(*(one(f"concurrent {i}", i) for i in range(clients))))
+    return ms_per_token, total / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=100, help="latency samples per path")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size of the TP comparison model")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from tpuray.emulator import EmulatedCluster, SliceRequest
+    from tpuray.models import build_tiny_causal_lm
+    from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
+    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+    from tpuray.serve.llm.server import ModelServer
+
+    rows: list[tuple[str, str, str, str]] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmulatedCluster(
+            [SliceRequest("TPU-V6E", "2x2"), SliceRequest("TPU-V6E", "1x1")], head_cpus=4
+        ) as cluster,
+    ):
+        cluster.connect()
+        tiny = str(build_tiny_causal_lm(os.path.join(tmp, "tiny")))
+        cpu_cfg = dict(
+            model_loading_config={"model_id": "tiny", "model_source": tiny},
+            engine_kwargs={"max_model_len": 256},
+        )
+
+        # 1 + 2: HTTP vs direct, batching -------------------------------------------------------------
+        port = free_port()
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": "127.0.0.1", "port": port},
+            logging_config={"enable_access_log": False},
+        )
+        try:
+            quiet = {"enable_access_log": False, "log_level": "WARNING"}
+            serve.run(
+                build_openai_app(LLMServingArgs(llm_configs=[LLMConfig(**cpu_cfg)])),
+                name="bench",
+                logging_config=quiet,
+            )
+            url = f"http://127.0.0.1:{port}"
+            floor = asyncio.run(health_latencies(url, args.requests))
+            http = asyncio.run(http_latencies(url, args.requests))
+            direct_server = ModelServer(LLMConfig(**cpu_cfg))
+            direct = asyncio.run(direct_latencies(direct_server, args.requests))
+            eng_seq = asyncio.run(direct_throughput(direct_server, clients=1, per_client=16, max_tokens=32))
+            eng_conc = asyncio.run(direct_throughput(direct_server, clients=16, per_client=4, max_tokens=32))
+            direct_server.shutdown()
+            over50 = (pct(http, 0.5) - pct(direct, 0.5)) * 1000
+            over99 = (pct(http, 0.99) - pct(direct, 0.99)) * 1000
+            rows.append(
+                (
+                    "p50 latency, 1 token",
+                    f"direct {pct(direct, 0.5) * 1000:.1f} ms",
+                    f"HTTP {pct(http, 0.5) * 1000:.1f} ms",
+                    f"overhead {over50:+.1f} ms (goal <= 5)",
+                )
+            )
+            rows.append(
+                (
+                    "Serve floor: GET /health p50",
+                    "-",
+                    f"HTTP {pct(floor, 0.5) * 1000:.1f} ms",
+                    "proxy + ingress only",
+                )
+            )
+            rows.append(
+                (
+                    "p99 latency, 1 token",
+                    f"direct {pct(direct, 0.99) * 1000:.1f} ms",
+                    f"HTTP {pct(http, 0.99) * 1000:.1f} ms",
+                    f"overhead {over99:+.1f} ms",
+                )
+            )
+            seq = asyncio.run(http_throughput(url, clients=1, per_client=16, max_tokens=32))
+            conc = asyncio.run(http_throughput(url, clients=16, per_client=4, max_tokens=32))
+            rows.append(
+                (
+                    "HTTP tokens/s, 32-token completions",
+                    f"1 client {seq:.0f}",
+                    f"16 clients {conc:.0f}",
+                    f"{conc / seq:.1f}x (goal >= 4x)",
+                )
+            )
+            rows.append(
+                (
+                    "engine tokens/s (no HTTP), same load",
+                    f"1 client {eng_seq:.0f}",
+                    f"16 clients {eng_conc:.0f}",
+                    f"{eng_conc / eng_seq:.1f}x",
+                )
+            )
+        finally:
+            serve.shutdown()
+
+        # 3: tensor parallel 4 chips vs 1 chip, same engine path (worker actors on emulated tpu) ---------
+        med = str(
+            build_tiny_causal_lm(
+                os.path.join(tmp, "medium"),
+                hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers,
+            )
+        )
+        results = {}
+        for topo, tp in (("1x1", 1), ("2x2", 4)):
+            cfg = LLMConfig(
+                model_loading_config={"model_id": "medium", "model_source": med},
+                accelerator_type="TPU-V6E",
+                accelerator_config={"kind": "tpu", "topology": topo},
+                engine_kwargs={"tensor_parallel_size": tp, "max_model_len": 256},
+            )
+            engine = EmbeddedEngine(cfg)
+            try:
+                results[tp] = asyncio.run(engine_numbers(engine, max_tokens=32, clients=16))
+            finally:
+                engine.shutdown()
+        (ms1, tps1), (ms4, tps4) = results[1], results[4]
+        rows.append(
+            (
+                f"TP ms/token (hidden {args.hidden}, {args.layers} layers)",
+                f"1 chip {ms1:.1f}",
+                f"4 chips {ms4:.1f}",
+                f"{ms1 / ms4:.2f}x speed-up",
+            )
+        )
+        rows.append(
+            ("TP tokens/s, 16 concurrent", f"1 chip {tps1:.0f}", f"4 chips {tps4:.0f}", f"{tps4 / tps1:.2f}x")
+        )
+        ray.shutdown()
+
+    print(f"\ntpuray.serve.llm benchmark (emulated TPU on CPU; os.cpu_count() = {os.cpu_count()})")
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  " + "  |  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    print(
+        f"  latency samples: {args.requests} per path (median of HTTP {statistics.median(http) * 1000:.1f} ms)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`tpuray serve CONFIG.yaml`: run the OpenAI-compatible LLM app described by a YAML file on Ray Serve.
+
+The YAML holds `llm_configs` (a list of LLMConfig dicts, as in Ray Serve LLM) and optionally `api_key`
+and `ingress_deployment_config`; a Ray Serve config file (`applications: [{args: {llm_configs: ...}}]`)
+works too. The file is validated before Ray is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve LLMs from a YAML config on an OpenAI-compatible endpoint (Ray Serve)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="YAML file with llm_configs (see docs/serve.md)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray address (default: RAY_ADDRESS, a running cluster or a new local one)",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--check", action="store_true", help="validate the config, print the plan and exit")
+    p.set_defaults(func=run)
+
+
+def load_serving_args(path: str | Path):
+    import yaml
+
+    from tpuray.cli import UsageError
+    from tpuray.serve.llm import LLMServingArgs
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {str(path)!r} not found")
+    try:
+        data: Any = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path}: not valid YAML: {e}") from e
+    if isinstance(data, dict) and "applications" in data:
+        apps = data["applications"] or []
+        if len(apps) != 1 or not isinstance(apps[0], dict):
+            raise UsageError(f"{path}: expected exactly one application, found {len(apps)}")
+        data = apps[0].get("args") or {}
+    if not isinstance(data, dict) or "llm_configs" not in data:
+        raise UsageError(f"{path}: expected a mapping with 'llm_configs' (a list of LLMConfig mappings)")
+    base = path.parent
+    configs = []
+    for c in data["llm_configs"]:
+        if isinstance(c, str):  # path to a YAML LLMConfig, relative to this file
+            c = str((base / c).resolve())
+        configs.append(c)
+    return LLMServingArgs(**{**data, "llm_configs": configs})
+
+
+def describe(args) -> str:
+    lines = []
+    for c in args.llm_configs:
+        where = (
+            f"{c.topology.pod_type} slice {c.topology.topology} per replica, {c.num_workers} worker(s) x "
+            f"{c.chips_per_worker} chip(s), tensor_parallel_size={c.tensor_parallel_size}"
+            if c.topology
+            else "CPU, in the replica process"
+        )
+        lines.append(f"  {c.model_id} [{c.task}] <- {c.model_loading_config.local_path}: {where}")
+    return "\n".join(lines)
+
+
+def run(ns: argparse.Namespace) -> int:
+    args = load_serving_args(ns.config)
+    for c in args.llm_configs:
+        c.check_model_source()
+    print(f"tpuray serve: {len(args.llm_configs)} model(s)\n{describe(args)}")
+    if ns.check:
+        return 0
+
+    import ray
+    from ray import serve
+
+    from tpuray.serve.llm import build_openai_app
+
+    ray.init(address=ns.address)
+
+    def _stop(signum, frame):  # SIGTERM (kill, Kubernetes) shuts down like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        serve.run(build_openai_app(args), blocking=False)
+        auth = " (API key required)" if args.api_key else ""
+        print(f"tpuray serve: OpenAI API at http://{ns.host}:{ns.port}/v1{auth}; Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("tpuray serve: shutting down")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,1 @@
+"""tpuray.serve: model serving on Ray Serve (see `tpuray.serve.llm`)."""

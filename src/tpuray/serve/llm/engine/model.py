@@ -1,0 +1,195 @@
+"""A Llama-family decoder that runs one tensor-parallel shard of a Hugging Face checkpoint.
+
+Megatron-style sharding over `world_size` ranks: q/k/v and gate/up are column-parallel (each rank holds
+its own attention heads / FFN columns), o_proj and down_proj are row-parallel and their partial outputs are
+summed with `all_reduce` over the process group (tpu_dist on TPU slices). Embeddings, norms and lm_head
+are replicated, so every rank ends with the full logits. With world_size 1 it is a plain Llama forward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tpuray.serve.llm.engine.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
+
+
+class ShardedLlama:
+    def __init__(
+        self,
+        path: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+    ):
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {cfg.get('model_type')!r} is not supported by the embedded engine; "
+                f"valid: {', '.join(SUPPORTED_MODEL_TYPES)} (install vLLM for other models)"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: 'default'")
+        self.theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        self.num_layers = cfg["num_hidden_layers"]
+        self.heads = cfg["num_attention_heads"]
+        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
+        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        self.vocab_size = cfg["vocab_size"]
+        self.max_position_embeddings = cfg.get("max_position_embeddings", 2048)
+        inter = cfg["intermediate_size"]
+        for name, n in (
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("intermediate_size", inter),
+        ):
+            if n % world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} must divide {name}={n}")
+        self.rank, self.world_size = rank, world_size
+        self.local_heads, self.local_kv_heads = self.heads // world_size, self.kv_heads // world_size
+        self.device = torch.device(device)
+        self.all_reduce = all_reduce
+        if dtype is None:
+            dtype = getattr(
+                torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32
+            )
+        self.dtype = dtype
+
+        state = load_state_dict(path)
+
+        def get(name: str) -> torch.Tensor:
+            return state[name].to(dtype)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel: split output features
+            return t.chunk(world_size, dim=0)[rank]
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel: split input features
+            return t.chunk(world_size, dim=1)[rank]
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).to(dtype)
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "in_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+                # q, k, v fused into one column-parallel matmul of this rank's heads
+                "qkv": torch.cat([rows(get(p + f"self_attn.{x}_proj.weight")) for x in "qkv"]),
+                "o": cols(get(p + "self_attn.o_proj.weight")),
+                "gate_up": torch.cat(
+                    [rows(get(p + "mlp.gate_proj.weight")), rows(get(p + "mlp.up_proj.weight"))]
+                ),
+                "down": cols(get(p + "mlp.down_proj.weight")),
+            }
+            biases = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if all(b in state for b in biases):  # qwen2-style attention bias
+                layer["qkv_bias"] = torch.cat([rows(get(b)) for b in biases])
+            self.layers.append(layer)
+        for name, t in list(self.__dict__.items()):
+            if isinstance(t, torch.Tensor):
+                setattr(self, name, t.to(self.device))
+        self.layers = [{k: v.to(self.device) for k, v in layer.items()} for layer in self.layers]
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.inv_freq = inv.to(self.device)
+
+    def new_kv_cache(self, num_slots: int, max_model_len: int) -> KVCache:
+        return KVCache(
+            self.num_layers,
+            num_slots,
+            self.local_kv_heads,
+            max_model_len,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Run B sequences of (right-padded) new tokens [B, T] starting at positions `starts` [B].
+
+        Writes their K/V into `cache` at `slots` and returns logits of each sequence's last new token [B, V].
+        """
+        B, T = tokens.shape
+        H, KV, D = self.local_heads, self.local_kv_heads, self.head_dim
+        pos = starts[:, None] + torch.arange(T, device=self.device)[None, :]  # [B, T]
+        freqs = pos.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [B, 1, T, D]
+        valid = torch.arange(T, device=self.device)[None, :] < lengths[:, None]  # [B, T]
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        w_slots, w_pos = slots[b_idx], pos[b_idx, t_idx]
+        L = int((starts + lengths).max())
+        key_pos = torch.arange(L, device=self.device)
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, L]
+
+        h = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer["in_norm"])
+            qkv = x @ layer["qkv"].T
+            if "qkv_bias" in layer:
+                qkv = qkv + layer["qkv_bias"]
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q = self._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
+            k = self._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
+            v = v.view(B, T, KV, D).transpose(1, 2)
+            cache.write(i, w_slots, w_pos, k.transpose(1, 2)[b_idx, t_idx], v.transpose(1, 2)[b_idx, t_idx])
+            keys, values = cache.read(i, slots, L)
+            if KV != H:
+                keys = keys.repeat_interleave(H // KV, dim=1)
+                values = values.repeat_interleave(H // KV, dim=1)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            out = attn.transpose(1, 2).reshape(B, T, H * D) @ layer["o"].T
+            if self.all_reduce is not None:
+                self.all_reduce(out)
+            h = h + out
+            x = self._rms(h, layer["post_norm"])
+            gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
+            out = (F.silu(gate) * up) @ layer["down"].T
+            if self.all_reduce is not None:
+                self.all_reduce(out)
+            h = h + out
+        last = h[torch.arange(B, device=self.device), lengths - 1]
+        return self._rms(last, self.norm) @ self.lm_head.T

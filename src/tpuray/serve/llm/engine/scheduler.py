@@ -1,0 +1,148 @@
+"""Continuous batching: sequences join the running batch at any step and leave as soon as they finish.
+
+Each step the scheduler admits waiting sequences into free KV-cache slots (their whole prompt is the
+step's prefill, bounded by `max_prefill_tokens`), adds one decode token for every running sequence, and
+after the forward samples one token per sequence, detokenizes incrementally, applies stop strings / EOS /
+length limits and frees finished slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tpuray.serve.llm.engine.sampling import SamplingParams, sample
+
+
+@dataclass
+class SeqOutput:
+    """What a sequence produced since its last output."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    queue: asyncio.Queue
+    seq_id: int = 0
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # chars of `text` already sent
+    sent_tokens: int = 0
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: set[int],
+        max_num_seqs: int,
+        max_model_len: int,
+        max_prefill_tokens: int = 4096,
+    ):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max(max_prefill_tokens, max_model_len)
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        seq.seq_id = next(self._ids)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], list[tuple[int, list[int], int]]]:
+        """The sequences of the next step and the worker batch (slot, new tokens, start position)."""
+        budget = self.max_prefill_tokens
+        while self.waiting and self.free_slots and len(self.waiting[0].prompt_ids) <= budget:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            budget -= len(seq.prompt_ids)
+            self.running.append(seq)
+        batch = []
+        for seq in self.running:
+            if seq.output_ids:
+                batch.append((seq.slot, seq.output_ids[-1:], seq.num_tokens - 1))
+            else:
+                batch.append((seq.slot, seq.prompt_ids, 0))
+        return list(self.running), batch
+
+    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence, emit outputs, retire finished sequences."""
+        for seq, row in zip(seqs, logits, strict=True):
+            if seq.finished:  # aborted while the step ran
+                continue
+            token = sample(row, seq.params, seq.generator)
+            reason = None
+            if token in self.eos_ids:
+                reason = "stop"
+            else:
+                seq.output_ids.append(token)
+                if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            self._emit(seq, reason)
+
+    def _emit(self, seq: Sequence, reason: str | None) -> None:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        stops = seq.params.stop
+        if stops:
+            hits = [i for i in (text.find(s, max(0, seq.emitted - len(s))) for s in stops) if i >= 0]
+            if hits:
+                text, reason = text[: min(hits)], "stop"
+        if reason is None:
+            # hold back an incomplete UTF-8 character and anything that could still become a stop string
+            safe = len(text.rstrip("\ufffd"))
+            if stops:
+                safe = min(safe, len(text) - max(len(s) for s in stops) + 1)
+            delta = text[seq.emitted : max(safe, seq.emitted)]
+        else:
+            delta = text[seq.emitted :]
+        seq.text = text
+        seq.emitted += len(delta)
+        new_tokens = seq.output_ids[seq.sent_tokens :]
+        seq.sent_tokens = len(seq.output_ids)
+        if reason is not None:
+            seq.finished = True
+            self._release(seq)
+        if delta or reason is not None:
+            seq.queue.put_nowait(
+                SeqOutput(delta, new_tokens, seq.finished, reason, len(seq.prompt_ids), len(seq.output_ids))
+            )
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1

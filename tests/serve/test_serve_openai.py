@@ -1,0 +1,297 @@
+"""The OpenAI app on Ray Serve over the emulated cluster: a tiny Llama with TP=4 on one v6e 2x2 slice
+(one engine worker per emulated chip, tpu_dist all_reduce) plus MiniLM embeddings, driven with the real
+`openai` client (sync, async, streaming) and raw HTTP for bad input. One Serve app for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+EMBED_ID = "sentence-transformers/all-MiniLM-L6-v2"
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live_pgs() -> set[str]:
+    import ray
+
+    return {k for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
+
+
+@pytest.fixture(scope="module")
+def server(emulated_cluster, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    from tpuray.serve.llm import (
+        LLMConfig,
+        LLMServingArgs,
+        ModelLoadingConfig,
+        build_openai_app,
+        minilm_config,
+    )
+
+    before = live_pgs()
+    config = LLMConfig(
+        model_loading_config=ModelLoadingConfig(model_id="tiny", model_source=tiny_model_dir),
+        accelerator_type="TPU-V6E",
+        accelerator_config={"kind": "tpu", "topology": "2x2"},
+        placement_group_config={"bundle_per_worker": {"TPU": 1}},
+        engine_kwargs={
+            "tensor_parallel_size": 4,
+            "max_model_len": MAX_MODEL_LEN,
+            "enable_expert_parallel": True,
+        },
+    )
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        app = build_openai_app(LLMServingArgs(llm_configs=[config, minilm_config()], api_key=API_KEY))
+        serve.run(app, name="tpuray-llm", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        deadline = time.monotonic() + 30
+        while live_pgs() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not live_pgs() - before, "the replica's slice placement group was not released"
+        assert ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_models_and_replica_layout(client, server):
+    from ray import serve
+
+    ids = sorted(m.id for m in client.models.list())
+    assert ids == sorted(["tiny", EMBED_ID])
+    info = serve.get_deployment_handle("LLMServer:tiny", app_name="tpuray-llm").describe.remote().result()
+    assert info["tensor_parallel_size"] == 4 and info["emulated"] is True
+    assert [w["rank"] for w in info["workers"]] == [0, 1, 2, 3]
+    assert len({w["pid"] for w in info["workers"]}) == 4
+    assert all(w["device"].startswith("tpu") for w in info["workers"])
+    assert "v6e-4" in info["slice"]
+
+
+def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
+    """Greedy text from the 4-way sharded engine equals the unsharded engine in this process."""
+    from tpuray.serve.llm import LLMConfig
+    from tpuray.serve.llm.protocol import CompletionRequest
+    from tpuray.serve.llm.server import ModelServer
+
+    local = ModelServer(
+        LLMConfig(
+            model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+            engine_kwargs={"max_model_len": MAX_MODEL_LEN},
+        )
+    )
+    try:
+        for prompt in ["Hello world", "Tensor parallelism splits attention heads"]:
+            req = CompletionRequest(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            ref = asyncio.run(local.completions(req))["choices"][0]["text"]
+            got = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            assert got.choices[0].text == ref
+    finally:
+        local.shutdown()
+
+
+def test_completions_and_chat(client):
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=3,
+        seed=11,
+        temperature=1.0,
+    )
+    assert [ch.index for ch in c.choices] == [0, 1, 2] and c.usage.completion_tokens <= 18
+    again = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=3,
+        seed=11,
+        temperature=1.0,
+    )
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in c.choices]
+    multi = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=3, n=2, temperature=0)
+    assert len(multi.choices) == 4
+
+
+def test_stop_string(client):
+    full = (
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=30, temperature=0).choices[0].text
+    )
+    stop = full[5:7]
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+
+
+def test_streaming(client, server):
+    full = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream"}], max_tokens=12, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "stream"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    # raw SSE framing ends with [DONE]
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST",
+        server + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_async_client(server):
+    async def go():
+        async with openai.AsyncOpenAI(
+            base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as c:
+            rs = await asyncio.gather(
+                *(
+                    c.completions.create(model="tiny", prompt=f"p{i}", max_tokens=4, temperature=0)
+                    for i in range(8)
+                )
+            )
+            stream = await c.completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=True)
+            parts = [ch async for ch in stream]
+            return rs, parts
+
+    rs, parts = asyncio.run(go())
+    assert all(r.choices[0].finish_reason for r in rs)
+    assert parts[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_embeddings(client):
+    e = client.embeddings.create(
+        model=EMBED_ID,
+        input=["A cat sits on the mat.", "A kitten is sitting on a rug.", "Stock markets fell today."],
+    )
+    vecs = [d.embedding for d in e.data]
+    assert len(vecs) == 3 and len(vecs[0]) == 384 and e.usage.prompt_tokens > 0
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert math.isclose(cos(vecs[0], vecs[0]), 1.0, rel_tol=1e-4)
+    assert cos(vecs[0], vecs[1]) > cos(vecs[0], vecs[2])
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", "{not json", 400, None),
+        ("/v1/completions", '{"model": "tiny"}', 400, "prompt"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": []}', 400, "messages"),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+            400,
+            "messages.0.role",
+        ),
+        ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": "lots"}', 400, "max_tokens"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": 9}', 400, "temperature"),
+        ("/v1/completions", '{"model": "nope", "prompt": "x"}', 404, "model"),
+        ("/v1/completions", '{"model": "tiny", "prompt": []}', 400, "prompt"),
+        ("/v1/completions", '["not", "an", "object"]', 400, None),
+        ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": 1000}', 400, "prompt"),
+        ("/v1/embeddings", '{"model": "tiny", "input": "x"}', 400, "model"),
+        (
+            "/v1/completions",
+            '{"model": "sentence-transformers/all-MiniLM-L6-v2", "prompt": "x"}',
+            400,
+            "model",
+        ),
+    ],
+)
+def test_errors_use_openai_format(server, path, body, status, param):
+    r = httpx.post(
+        server + path,
+        content=body,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_prompt_over_max_model_len(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * (MAX_MODEL_LEN * 2), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN * 2}], stream=True
+        )
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server + "/v1/models", headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_500_concurrent_requests_lose_none(server):
+    async def go():
+        limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
+        async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+            c = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, http_client=http)
+            return await asyncio.gather(
+                *(
+                    c.completions.create(model="tiny", prompt=f"load {i}", max_tokens=3, seed=i)
+                    for i in range(500)
+                ),
+                return_exceptions=True,
+            )
+
+    results = asyncio.run(go())
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert not failures, f"{len(failures)} of 500 failed, e.g. {failures[0]!r}"
+    assert all(
+        r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 0 for r in results
+    )
+    assert len({r.id for r in results}) == 500
