@@ -1,0 +1,52 @@
+"""Result of `fit()` and the errors it raises (mirroring ray.train V2: fit() raises TrainingFailedError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpuray.train.checkpoint import Checkpoint
+
+
+class TrainingFailedError(RuntimeError):
+    """Training did not finish: a worker raised, or worker/host failures exceeded max_failures."""
+
+    result: Result | None = None
+
+
+class WorkerGroupError(TrainingFailedError):
+    """One or more workers failed. `worker_failures` maps world rank -> exception; the message carries
+    the failing workers' tracebacks."""
+
+    def __init__(self, message: str, worker_failures: dict[int, BaseException]) -> None:
+        super().__init__(message)
+        self.worker_failures = worker_failures
+
+    def __reduce__(self):
+        return (self.__class__, (self.args[0], self.worker_failures))
+
+
+@dataclass
+class Result:
+    """metrics: rank 0's last report; metrics_history: every rank-0 report in order (exactly once per
+    report, across restarts); checkpoint: latest committed checkpoint; path: the run directory."""
+
+    metrics: dict[str, Any] | None
+    checkpoint: Checkpoint | None
+    error: BaseException | None = None
+    path: str = ""
+    metrics_history: list[dict[str, Any]] = field(default_factory=list)
+    return_value: Any = None
+    num_failures: int = 0
+
+    @property
+    def metrics_dataframe(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.metrics_history)
+
+    def __repr__(self) -> str:
+        return (
+            f"Result(metrics={self.metrics!r}, checkpoint={self.checkpoint!r}, error={self.error!r}, "
+            f"path={self.path!r}, reports={len(self.metrics_history)}, num_failures={self.num_failures})"
+        )

@@ -1,0 +1,175 @@
+"""`tpuray.train.torch`: drop-in for `ray.train.torch` (TorchTrainer, get_device, prepare_model,
+prepare_data_loader), built on Ray Core actors and plain torch.distributed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from tpuray.train.checkpoint import Checkpoint
+from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
+from tpuray.train.session import _current
+from tpuray.train.trainer import DataParallelTrainer
+
+__all__ = [
+    "TorchConfig",
+    "TorchTrainer",
+    "get_device",
+    "get_devices",
+    "prepare_data_loader",
+    "prepare_model",
+]
+
+
+class TorchTrainer(DataParallelTrainer):
+    """Runs `train_loop_per_worker(train_loop_config)` on `scaling_config.num_workers` workers with
+    torch.distributed initialised (tpu_dist on TPU slices, nccl on GPUs, gloo on CPUs)."""
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable,
+        *,
+        train_loop_config: dict | None = None,
+        torch_config: TorchConfig | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        metadata: dict[str, Any] | None = None,
+        datasets: dict | None = None,
+    ) -> None:
+        super().__init__(
+            train_loop_per_worker,
+            train_loop_config=train_loop_config,
+            scaling_config=scaling_config,
+            run_config=run_config,
+            torch_config=torch_config,
+            resume_from_checkpoint=resume_from_checkpoint,
+            metadata=metadata,
+            datasets=datasets,
+        )
+
+
+def get_device() -> torch.device:
+    """torch.device("tpu") on TPU workers, cuda:0 (the GPU Ray isolated) on GPU workers, else cpu."""
+    sess = _current()
+    kind = sess.context.device_type if sess is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    return torch.device(kind)
+
+
+def get_devices() -> list[torch.device]:
+    return [get_device()]
+
+
+def _world_size() -> int:
+    sess = _current()
+    return sess.context.world_size if sess is not None else 1
+
+
+def _world_rank() -> int:
+    sess = _current()
+    return sess.context.world_rank if sess is not None else 0
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    move_to_device: bool | torch.device = True,
+    parallel_strategy: str | None = "ddp",
+    parallel_strategy_kwargs: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """Move the model to this worker's device and wrap it in DistributedDataParallel (or FSDP) over the
+    active process group when world_size > 1."""
+    if parallel_strategy not in ("ddp", "fsdp", None):
+        raise ValueError(
+            f"prepare_model(parallel_strategy={parallel_strategy!r}) is invalid; valid: 'ddp', 'fsdp', None"
+        )
+    device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
+    if move_to_device:
+        model = model.to(device)
+    if parallel_strategy is None or _world_size() <= 1:
+        return model
+    kwargs = dict(parallel_strategy_kwargs or {})
+    if parallel_strategy == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, **kwargs)
+    from torch.nn.parallel import DistributedDataParallel
+
+    if device.type == "cuda":
+        kwargs.setdefault("device_ids", [device])
+        kwargs.setdefault("output_device", device)
+    return DistributedDataParallel(model, **kwargs)
+
+
+def prepare_data_loader(
+    data_loader: DataLoader,
+    add_dist_sampler: bool = True,
+    move_to_device: bool = True,
+    auto_transfer: bool = True,
+) -> DataLoader:
+    """Shard the loader across workers with a DistributedSampler and move each batch to the device."""
+    world = _world_size()
+    if (
+        add_dist_sampler
+        and world > 1
+        and not isinstance(data_loader.dataset, IterableDataset)
+        and not isinstance(data_loader.sampler, DistributedSampler)
+        and data_loader.batch_size is not None
+    ):
+        sampler = DistributedSampler(
+            data_loader.dataset,
+            num_replicas=world,
+            rank=_world_rank(),
+            shuffle=isinstance(data_loader.sampler, RandomSampler),
+        )
+        data_loader = DataLoader(
+            data_loader.dataset,
+            batch_size=data_loader.batch_size,
+            sampler=sampler,
+            num_workers=data_loader.num_workers,
+            collate_fn=data_loader.collate_fn,
+            pin_memory=data_loader.pin_memory,
+            drop_last=data_loader.drop_last,
+            timeout=data_loader.timeout,
+            worker_init_fn=data_loader.worker_init_fn,
+            multiprocessing_context=data_loader.multiprocessing_context,
+            prefetch_factor=data_loader.prefetch_factor if data_loader.num_workers > 0 else None,
+            persistent_workers=data_loader.persistent_workers,
+        )
+    if move_to_device:
+        return _DeviceDataLoader(data_loader, get_device())
+    return data_loader
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(v, device) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+class _DeviceDataLoader:
+    """Iterates the wrapped DataLoader and moves every batch to `device`; other attributes (sampler,
+    dataset, batch_size...) come from the wrapped loader, so `loader.sampler.set_epoch(e)` works."""
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self._loader = loader
+        self.device = device
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            yield _to_device(batch, self.device)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

@@ -1,0 +1,330 @@
+"""The driver loop behind TorchTrainer.fit(): reserve -> start workers -> set up torch.distributed -> run
+-> collect reports -> tear down, restarting from the latest checkpoint after worker/host failures.
+
+Report bookkeeping: every rank numbers its report() calls 0, 1, 2, ... (continuing after a restart).
+Report i is *committed* once every rank has made it (so all of checkpoint_i's files are uploaded).
+On a restart the run resumes after the latest committed checkpoint; rank-0 history past it is dropped,
+so the final metrics_history has every report exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from tpuray.train import checkpoint as ckpt
+from tpuray.train.backend_setup import device_type_for
+from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
+from tpuray.train.progress import Progress
+from tpuray.train.result import Result, WorkerGroupError
+from tpuray.train.session import TrainContext
+from tpuray.train.worker_group import WorkerGroup, WorkerOutcome
+
+logger = logging.getLogger("tpuray.train")
+POLL_S = 0.2
+PEER_CHECK_S = 60.0
+RUN_STATE_FILE = "run_state.json"
+
+
+class _WorkerDied(Exception):
+    def __init__(self, rank: int | None, cause: BaseException) -> None:
+        super().__init__(f"worker rank {rank} died: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+class _RunState:
+    """Reports and checkpoints seen so far, across attempts."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.history: dict[int, dict[str, Any]] = {}  # rank-0 metrics by report index
+        self.ckpt_indices: set[int] = set()
+        self.counts: list[int] = [0] * world_size  # reports seen per rank (absolute index + 1)
+        self.base = 0  # first report index of the current attempt
+        self.latest_ckpt: int | None = None
+
+    def add(self, rank: int, records: list, on_metrics: Callable[[dict], None]) -> None:
+        for r in records:
+            if r.has_checkpoint:
+                self.ckpt_indices.add(r.index)
+            if rank == 0 and r.metrics is not None:
+                self.history[r.index] = r.metrics
+                on_metrics(r.metrics)
+            self.counts[rank] = max(self.counts[rank], r.index + 1)
+
+    def commit(self) -> int | None:
+        """Advance latest_ckpt to the newest checkpoint every rank has finished; return it if new."""
+        committed = min(self.counts)
+        done = [i for i in self.ckpt_indices if i < committed]
+        newest = max(done) if done else None
+        if newest is not None and newest != self.latest_ckpt:
+            self.latest_ckpt = newest
+            return newest
+        return None
+
+    def rewind(self) -> int:
+        """Start the next attempt right after the latest committed checkpoint."""
+        resume = self.latest_ckpt + 1 if self.latest_ckpt is not None else 0
+        self.history = {i: m for i, m in self.history.items() if i < resume}
+        self.ckpt_indices = {i for i in self.ckpt_indices if i < resume}
+        self.counts = [resume] * self.world_size
+        self.base = resume
+        return resume
+
+    def metrics_history(self, upto: int | None = None) -> list[dict[str, Any]]:
+        return [self.history[i] for i in sorted(self.history) if upto is None or i <= upto]
+
+    def save(self, run_path: str, finished: bool = False) -> None:
+        """Persist committed progress to <run_path>/run_state.json (read back by load() on resume)."""
+        if finished:
+            history = self.metrics_history()
+        else:
+            history = self.metrics_history(self.latest_ckpt) if self.latest_ckpt is not None else []
+        doc = {"latest_checkpoint": self.latest_ckpt, "finished": finished, "metrics_history": history}
+        ckpt.write_text(ckpt.join(run_path, RUN_STATE_FILE), json.dumps(doc, default=str, indent=1))
+
+    def load(self, run_path: str) -> bool:
+        text = ckpt.read_text(ckpt.join(run_path, RUN_STATE_FILE))
+        doc = json.loads(text) if text else {}
+        latest = doc.get("latest_checkpoint")
+        if latest is None or latest not in ckpt.list_checkpoints(run_path):
+            return False
+        self.latest_ckpt = latest
+        self.ckpt_indices.add(latest)
+        self.history = dict(enumerate(doc.get("metrics_history", [])[: latest + 1]))
+        return True
+
+
+class DataParallelTrainer:
+    def __init__(
+        self,
+        train_loop_per_worker: Callable,
+        *,
+        train_loop_config: dict | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        torch_config: TorchConfig | None = None,
+        resume_from_checkpoint: ckpt.Checkpoint | None = None,
+        metadata: dict[str, Any] | None = None,
+        datasets: dict | None = None,
+    ) -> None:
+        if datasets:
+            raise ValueError(
+                f"datasets={list(datasets)!r}: Ray Data datasets are not supported by tpuray.train; load data "
+                "in train_loop_per_worker and shard it with tpuray.train.torch.prepare_data_loader"
+            )
+        if train_loop_config is not None and not isinstance(train_loop_config, dict):
+            raise TypeError(f"train_loop_config={train_loop_config!r} must be a dict or None")
+        if not callable(train_loop_per_worker):
+            raise TypeError(f"train_loop_per_worker={train_loop_per_worker!r} must be callable")
+        if scaling_config is not None and not isinstance(scaling_config, ScalingConfig):
+            raise TypeError(
+                f"scaling_config={scaling_config!r} must be a tpuray.train.ScalingConfig "
+                "(import it from tpuray.train, not ray.train)"
+            )
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise TypeError(f"run_config={run_config!r} must be a tpuray.train.RunConfig")
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = train_loop_config
+        self.scaling_config = scaling_config or ScalingConfig()
+        self.run_config = run_config or RunConfig()
+        self.torch_config = torch_config or TorchConfig()
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self.metadata = dict(metadata or {})
+        self.run_path = ckpt.join(self.run_config.storage_path, self.run_config.name)
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> Result:
+        if not ray.is_initialized():
+            ray.init()
+        sc, rc = self.scaling_config, self.run_config
+        backend = self.torch_config.backend or sc.backend
+        ckpt.ensure_dir(self.run_path)
+        state = _RunState(sc.num_workers)
+        if state.load(self.run_path):  # same run name as an earlier run: resume it (as Ray Train does)
+            logger.warning(
+                "tpuray.train: resuming run %s from checkpoint_%06d", self.run_path, state.latest_ckpt
+            )
+        max_failures = rc.failure_config.max_failures
+        self._failures = failures = 0
+        progress = Progress(self._title(), rc.quiet)
+        try:
+            while True:
+                resume = state.rewind()
+                if resume:
+                    restored = ckpt.Checkpoint(ckpt.checkpoint_dir(self.run_path, resume - 1))
+                else:
+                    restored = self.resume_from_checkpoint
+                self._drop_stale_checkpoints(resume)
+                try:
+                    value = self._run_attempt(state, backend, restored, failures, progress)
+                    state.save(self.run_path, finished=True)
+                    return self._result(state, None, value, failures)
+                except _WorkerDied as died:
+                    self._failures = failures = failures + 1
+                    if max_failures != -1 and failures > max_failures:
+                        err = WorkerGroupError(
+                            f"Training failed: {died} (failure {failures}, FailureConfig(max_failures="
+                            f"{max_failures}))",
+                            {died.rank if died.rank is not None else -1: died.cause},
+                        )
+                        err.result = self._result(state, err, None, failures)
+                        raise err from died.cause
+                    where = (
+                        f"checkpoint_{state.latest_ckpt:06d}" if state.latest_ckpt is not None else "scratch"
+                    )
+                    progress.note(
+                        f"tpuray.train: {died}; releasing the reservation and restarting all workers from "
+                        f"{where} (failure {failures}/{'inf' if max_failures == -1 else max_failures})"
+                    )
+                finally:
+                    progress.close()
+        finally:
+            progress.close()
+
+    def _title(self) -> str:
+        sc = self.scaling_config
+        if sc.use_tpu:
+            topo = sc.slice_topology
+            where = f"{sc.num_slices}x {topo.generation.name} {topo.topology}"
+        else:
+            where = "GPU" if sc.use_gpu else "CPU"
+        return f"tpuray.train {self.run_config.name} [{sc.num_workers} workers, {where}]"
+
+    def _run_attempt(self, state: _RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
+        sc, rc = self.scaling_config, self.run_config
+        group = WorkerGroup(sc)
+        t0 = time.perf_counter()
+        try:
+            try:
+                group.start()
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                raise _WorkerDied(None, exc) from exc
+            if group.emulated and sc.use_tpu and "emulated" not in progress.title:
+                progress.title = progress.title + " (emulated TPU)"
+            progress.start(attempt, len(state.history))
+
+            def make_context(rank) -> TrainContext:
+                return TrainContext(
+                    world_rank=rank.world_rank,
+                    world_size=rank.world_size,
+                    local_rank=rank.local_rank,
+                    local_world_size=rank.local_world_size,
+                    node_rank=rank.node_rank,
+                    experiment_name=rc.name,
+                    storage_path=rc.storage_path,
+                    run_path=self.run_path,
+                    device_type=device_type_for(backend),
+                    emulated=group.emulated,
+                    attempt=attempt,
+                    metadata=self.metadata,
+                )
+
+            setup_refs = group.setup(make_context, restored, state.base, backend, self.torch_config.timeout_s)
+            t1 = time.perf_counter()
+            self._wait_all(group, setup_refs, state, progress)
+            t2 = time.perf_counter()
+            logger.info("tpuray.train: workers started in %.2fs, process group up in %.2fs", t1 - t0, t2 - t1)
+            run_refs = group.run(self._fn_ref(), self.train_loop_config)
+            outcomes = self._wait_all(group, run_refs, state, progress)
+            self._collect(group, state, progress)
+            return outcomes[0].value if outcomes else None
+        finally:
+            group.shutdown()
+
+    def _fn_ref(self):
+        if not hasattr(self, "_fn_obj_ref"):
+            self._fn_obj_ref = ray.put(self.train_loop_per_worker)
+        return self._fn_obj_ref
+
+    def _wait_all(self, group: WorkerGroup, refs: list, state: _RunState, progress: Progress) -> list:
+        """Wait for one call on every worker while draining reports; raise on the first failure."""
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        outcomes: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise _WorkerDied(rank, exc) from exc
+                except ray.exceptions.RayTaskError as exc:  # setup() failed (e.g. process group init)
+                    self._collect_quietly(group, state, progress)
+                    self._check_peers_alive(group, rank, exc)
+                    self._raise_user_error(state, {rank: exc.as_instanceof_cause()}, {rank: str(exc)})
+                if isinstance(out, WorkerOutcome) and not out.ok:
+                    self._collect_quietly(group, state, progress)
+                    self._check_peers_alive(group, rank, out.error)
+                    self._raise_user_error(state, {rank: out.error}, {rank: out.traceback})
+                outcomes[rank] = out
+            self._collect(group, state, progress)
+        return outcomes
+
+    def _collect(self, group: WorkerGroup, state: _RunState, progress: Progress) -> None:
+        try:
+            per_rank = group.drain()
+        except ray.exceptions.RayActorError as exc:
+            raise _WorkerDied(None, exc) from exc
+        for m, records in zip(group.members, per_rank, strict=True):
+            state.add(m.rank.world_rank, records, progress.update)
+        if state.commit() is not None:
+            self._prune_checkpoints(state)
+            state.save(self.run_path)
+
+    def _collect_quietly(self, group: WorkerGroup, state: _RunState, progress: Progress) -> None:
+        try:
+            self._collect(group, state, progress)
+        except _WorkerDied:
+            pass
+
+    def _check_peers_alive(self, group: WorkerGroup, rank: int, error: BaseException | None) -> None:
+        """A worker error can be the echo of a peer's death (gloo/tpu_dist "connection closed by peer"):
+        ping every worker; if one is dead or unresponsive, it is a worker failure (retried), not a user
+        error. Ray may need a while to declare a killed host dead, hence the generous timeout."""
+        try:
+            ray.get([m.actor.ping.remote() for m in group.members], timeout=PEER_CHECK_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise _WorkerDied(None, exc) from error
+
+    def _raise_user_error(self, state: _RunState, errors: dict, tracebacks: dict) -> None:
+        lines = [f"Training failed: worker rank {r} raised:\n{tb}" for r, tb in tracebacks.items()]
+        err = WorkerGroupError("\n".join(lines), errors)
+        err.result = self._result(state, err, None, getattr(self, "_failures", 0))
+        raise err
+
+    def _result(self, state: _RunState, error, value, failures: int) -> Result:
+        latest = state.latest_ckpt
+        history = state.metrics_history()
+        return Result(
+            metrics=history[-1] if history else None,
+            checkpoint=ckpt.Checkpoint(ckpt.checkpoint_dir(self.run_path, latest))
+            if latest is not None
+            else None,
+            error=error,
+            path=self.run_path,
+            metrics_history=history,
+            return_value=value,
+            num_failures=failures,
+        )
+
+    def _drop_stale_checkpoints(self, resume: int) -> None:
+        for index in ckpt.list_checkpoints(self.run_path):
+            if index >= resume:
+                ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
+
+    def _prune_checkpoints(self, state: _RunState) -> None:
+        keep = self.run_config.checkpoint_config.num_to_keep
+        if keep is None:
+            return
+        committed = sorted(i for i in state.ckpt_indices if i <= state.latest_ckpt)
+        for index in committed[:-keep]:
+            ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
+            state.ckpt_indices.discard(index)
