@@ -1,0 +1,45 @@
+"""`tpuray demo`: train a tiny LM on an emulated TPU slice, serve it, ask it a question."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="the main job: train on an emulated TPU slice, then serve (OpenAI API)",
+        description=(
+            "Starts an EMULATED TPU slice on this machine (real Ray nodes, CPU-backed tpu devices), trains a "
+            "tiny causal LM with tpuray's TorchTrainer (DDP over tpu_dist), saves it in Hugging Face format, "
+            "serves it with build_openai_app, sends one chat completion with the openai client, prints the "
+            "answer and shuts everything down."
+        ),
+        epilog="example: tpuray demo --epochs 60 --question 'What is tpuray?'",
+    )
+    p.add_argument(
+        "--accelerator-type", default="TPU-V6E", help="TPU generation to emulate (default TPU-V6E)"
+    )
+    p.add_argument("--topology", default="2x2", help="slice topology (default 2x2 = 4 chips on one host)")
+    p.add_argument("--epochs", type=int, default=60, help="training epochs (default 60)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--question", default="What is tpuray?", help="the chat message to send")
+    p.add_argument("--workdir", default=None, help="where the model and checkpoints go (default: a temp dir)")
+    p.add_argument("--quiet", action="store_true", help="print only the answer")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpuray.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        accelerator_type=args.accelerator_type,
+        topology=args.topology,
+        epochs=args.epochs,
+        lr=args.lr,
+        question=args.question,
+        workdir=args.workdir,
+        quiet=args.quiet,
+    )
+    run_demo(cfg)
+    return 0
