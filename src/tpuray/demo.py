@@ -47,6 +47,7 @@ class DemoConfig:
     question: str = "What is tpuray?"
     workdir: str | None = None
     quiet: bool = False
+    verbose: bool = False  # stream Ray worker / Serve logs to the console
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -114,20 +115,22 @@ def run_demo(cfg: DemoConfig) -> str:
     from tpuray.train import RunConfig, ScalingConfig
     from tpuray.train.torch import TorchTrainer
 
+    # Validate every config before anything is created or started.
+    scaling = ScalingConfig(
+        num_workers=_chips(cfg), use_tpu=True, topology=cfg.topology, accelerator_type=cfg.accelerator_type
+    )
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="tpuray-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     samples = chat_corpus()
-    # Validate every config before anything starts.
-    scaling = ScalingConfig(
-        num_workers=_chips(cfg), use_tpu=True, topology=cfg.topology, accelerator_type=cfg.accelerator_type
-    )
 
     _say(
         cfg, f"starting an EMULATED {cfg.accelerator_type} {cfg.topology} slice (CPU-backed, not a real TPU)"
     )
     with EmulatedCluster([SliceRequest(cfg.accelerator_type, cfg.topology, count=1)]) as cluster:
-        cluster.connect()
+        cluster.connect(log_to_driver=cfg.verbose)
+        if not cfg.verbose:
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
             init_dir = build_tiny_causal_lm(workdir / "init", corpus="".join(samples))
             _say(cfg, f"built a tiny Llama-style model + tokenizer in {init_dir}")

@@ -12,7 +12,6 @@ import time
 import ray.cloudpickle
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _hosts  # noqa: E402
 import _loops  # noqa: E402
 
 from tpuray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
@@ -50,7 +49,7 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
             time.sleep(0.2)
         node_id = marker.read_text()
         killed["node_id"] = node_id
-        killed["token"] = _hosts.kill_host(emulated_cluster, node_id)
+        killed["token"] = emulated_cluster.kill_host(node_id)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
@@ -60,7 +59,7 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
         killed["stop"] = True
         thread.join()
         if "token" in killed:
-            _hosts.restore_host(emulated_cluster, killed["token"])
+            emulated_cluster.restore_host(killed["token"])
 
     assert "node_id" in killed, "the host was never killed"
     history = result.metrics_history

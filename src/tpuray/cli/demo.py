@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--question", default="What is tpuray?", help="the chat message to send")
     p.add_argument("--workdir", default=None, help="where the model and checkpoints go (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="print only the answer")
+    p.add_argument("--verbose", action="store_true", help="also stream Ray worker and Serve logs")
     p.set_defaults(func=run)
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         question=args.question,
         workdir=args.workdir,
         quiet=args.quiet,
+        verbose=args.verbose,
     )
     run_demo(cfg)
     return 0
