@@ -1,7 +1,9 @@
 """Benchmark tpuray.serve.llm on an emulated cluster (v6e 2x2 slice + v6e 1x1 slice, CPU-backed).
 
-1. HTTP overhead: p50/p99 latency of POST /v1/completions (Ray Serve proxy -> ingress -> LLM replica)
-   vs calling the same ModelServer directly in this process (goal: overhead <= 5 ms at p50).
+1. HTTP overhead: p50/p99 latency of POST /v1/completions through Ray Serve vs calling the same
+   ModelServer directly in this process (goal: overhead <= 5 ms at p50). The default one-model app is one
+   deployment (proxy -> replica holding routes + engine); the two-deployment layout (proxy -> LLMRouter ->
+   LLMServer, as Ray Serve LLM builds it, and as tpuray builds multi-model apps) is measured beside it.
 2. Continuous batching: tokens/s of 16 concurrent HTTP clients vs one sequential client (goal >= 4x).
 3. Tensor parallelism on the emulator: the same engine with 4 chips (2x2 slice, tpu_dist all_reduce over
    gloo) vs 1 chip (1x1 slice). The emulated chips are CPU processes sharing this machine's cores, so
@@ -33,6 +35,7 @@ def free_port() -> int:
 
 
 async def http_latencies(url: str, n: int) -> list[float]:
+    """Sequential 1-token completions; seconds per request after 5 warm-up requests."""
     import httpx
 
     body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 1, "temperature": 0}
@@ -178,9 +181,17 @@ def main() -> None:
                 name="bench",
                 logging_config=quiet,
             )
+            serve.run(
+                build_openai_app(LLMServingArgs(llm_configs=[LLMConfig(**cpu_cfg)], single_deployment=False)),
+                name="bench-router",
+                route_prefix="/router",
+                logging_config=quiet,
+            )
             url = f"http://127.0.0.1:{port}"
             floor = asyncio.run(health_latencies(url, args.requests))
             http = asyncio.run(http_latencies(url, args.requests))
+            http_router = asyncio.run(http_latencies(url + "/router", args.requests))
+            serve.delete("bench-router")
             direct_server = ModelServer(LLMConfig(**cpu_cfg))
             direct = asyncio.run(direct_latencies(direct_server, args.requests))
             eng_seq = asyncio.run(direct_throughput(direct_server, clients=1, per_client=16, max_tokens=32))
@@ -198,10 +209,18 @@ def main() -> None:
             )
             rows.append(
                 (
+                    "  same, LLMRouter -> LLMServer (2 hops)",
+                    f"direct {pct(direct, 0.5) * 1000:.1f} ms",
+                    f"HTTP {pct(http_router, 0.5) * 1000:.1f} ms",
+                    f"overhead {(pct(http_router, 0.5) - pct(direct, 0.5)) * 1000:+.1f} ms",
+                )
+            )
+            rows.append(
+                (
                     "Serve floor: GET /health p50",
                     "-",
                     f"HTTP {pct(floor, 0.5) * 1000:.1f} ms",
-                    "proxy + ingress only",
+                    "proxy + replica, no model",
                 )
             )
             rows.append(

@@ -31,21 +31,11 @@ def live_pgs() -> set[str]:
     return {k for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
 
 
-@pytest.fixture(scope="module")
-def server(emulated_cluster, tiny_model_dir):
-    import ray
-    from ray import serve
+def tiny_tp4_config(tiny_model_dir: str):
+    """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice."""
+    from tpuray.serve.llm import LLMConfig, ModelLoadingConfig
 
-    from tpuray.serve.llm import (
-        LLMConfig,
-        LLMServingArgs,
-        ModelLoadingConfig,
-        build_openai_app,
-        minilm_config,
-    )
-
-    before = live_pgs()
-    config = LLMConfig(
+    return LLMConfig(
         model_loading_config=ModelLoadingConfig(model_id="tiny", model_source=tiny_model_dir),
         accelerator_type="TPU-V6E",
         accelerator_config={"kind": "tpu", "topology": "2x2"},
@@ -56,6 +46,17 @@ def server(emulated_cluster, tiny_model_dir):
             "enable_expert_parallel": True,
         },
     )
+
+
+@pytest.fixture(scope="module")
+def server(emulated_cluster, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    from tpuray.serve.llm import LLMServingArgs, build_openai_app, minilm_config
+
+    before = live_pgs()
+    config = tiny_tp4_config(tiny_model_dir)
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -295,3 +296,47 @@ def test_500_concurrent_requests_lose_none(server):
         r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 0 for r in results
     )
     assert len({r.id for r in results}) == 500
+
+
+@pytest.fixture(scope="module")
+def single(server, tiny_model_dir):
+    """A one-model app (one deployment: routes and engine in the replica) on the other 2x2 slice."""
+    from ray import serve
+
+    from tpuray.serve.llm import LLMServingArgs, build_openai_app
+
+    args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
+    assert args.fused
+    before = live_pgs()
+    serve.run(build_openai_app(args), name="tpuray-single", route_prefix="/single")
+    yield server + "/single"
+    serve.delete("tpuray-single")
+    deadline = time.monotonic() + 30
+    while live_pgs() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_pgs() - before, "the single deployment's slice placement group was not released"
+
+
+def test_single_model_app_is_one_deployment(single, client):
+    from ray import serve
+
+    assert list(serve.status().applications["tpuray-single"].deployments) == ["LLMServer:tiny"]
+    info = serve.get_deployment_handle("LLMServer:tiny", app_name="tpuray-single").describe.remote().result()
+    assert info["tensor_parallel_size"] == 4 and info["emulated"] is True and "v6e-4" in info["slice"]
+    c = openai.OpenAI(base_url=single + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in c.models.list()] == ["tiny"]
+    # the same greedy text as the two-hop app (router -> LLMServer deployment) serving the same model
+    kw = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=0)
+    text = c.completions.create(**kw).choices[0].text
+    assert text == client.completions.create(**kw).choices[0].text
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "stream"}], max_tokens=12, temperature=0)
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(**chat, stream=True)
+        if ch.choices
+    )
+    assert streamed == c.chat.completions.create(**chat).choices[0].message.content
+    with pytest.raises(openai.BadRequestError):  # an engine error before the first chunk: JSON, not SSE
+        c.completions.create(model="tiny", prompt="word " * MAX_MODEL_LEN * 2, max_tokens=1, stream=True)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x", max_tokens=1)

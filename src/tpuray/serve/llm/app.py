@@ -1,13 +1,18 @@
-"""Ray Serve wiring: an OpenAI ingress (`LLMRouter`, FastAPI on /v1) and one `LLMServer` deployment per model.
+"""Ray Serve wiring: an OpenAI ingress (`LLMRouter`, FastAPI on /v1) in front of the models' `LLMServer`s.
 
-Each LLMServer replica builds its engine in its constructor; for a TPU model the engine reserves the
-replica's own SlicePlacementGroup and starts one worker actor per chip on it. Serve calls `__del__` when
-it stops a replica, which kills the workers and releases the slice.
+Several models: the router forwards each request to that model's `LLMServer` deployment through a Serve
+handle. One model (the default for a one-model app): a single deployment whose replicas hold the router
+*and* the model's LLMServer in-process, one Serve hop fewer per request.
+
+Each LLMServer builds its engine in its constructor; for a TPU model the engine reserves the replica's own
+SlicePlacementGroup and starts one worker actor per chip on it. Serve calls `__del__` when it stops a
+replica, which kills the workers and releases the slice.
 
 (No `from __future__ import annotations` here: FastAPI must see real types in the routes' signatures.)
 """
 
 import asyncio
+import inspect
 import json
 import logging
 import re
@@ -147,16 +152,57 @@ class LLMServer:
         if isinstance(error, ray.exceptions.RayActorError):
             raise RuntimeError(f"engine worker died: {error}")
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the engine: kill its worker actors and release the replica's slice (idempotent)."""
         server = getattr(self, "server", None)
         if server is not None:
             self.server = None
             server.shutdown()
 
+    __del__ = shutdown
+
+
+class _Remote:
+    """A model served by its own LLMServer deployment, reached through a Serve handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def call(self, method: str, req) -> dict[str, Any]:
+        return await getattr(self.handle, method).remote(req)
+
+    def stream(self, method: str, req):
+        return getattr(self.handle.options(stream=True), method + "_stream").remote(req)
+
+
+class _Local:
+    """A model whose LLMServer lives in this ingress replica (no Serve hop between router and engine)."""
+
+    def __init__(self, config: LLMConfig):
+        self.server = LLMServer(config)
+
+    async def call(self, method: str, req) -> dict[str, Any]:
+        return await getattr(self.server, method)(req)
+
+    def stream(self, method: str, req):
+        return getattr(self.server, method + "_stream")(req)
+
+
+async def _close(gen) -> None:
+    """Stop a response stream early: an in-process async generator, or a Serve streaming response."""
+    if inspect.isasyncgen(gen):
+        await gen.aclose()
+    else:
+        gen.cancel()
+
 
 @serve.ingress(api)
 class LLMRouter:
-    """The /v1 ingress: auth, request validation, model routing and SSE framing."""
+    """The /v1 ingress: auth, request validation, model routing and SSE framing.
+
+    `llm_servers` holds, per model, a Serve handle of its LLMServer deployment or an LLMConfig, which
+    this replica then serves itself.
+    """
 
     def __init__(
         self,
@@ -165,9 +211,34 @@ class LLMRouter:
         max_model_lens: list[int | None],
         api_key: str | None = None,
     ):
-        self.handles = dict(zip(model_ids, llm_servers, strict=True))
+        self.models = {
+            m: _Local(s) if isinstance(s, LLMConfig) else _Remote(s)
+            for m, s in zip(model_ids, llm_servers, strict=True)
+        }
         self.cards = [model_card(m, now(), mml) for m, mml in zip(model_ids, max_model_lens, strict=True)]
         self.api_key = api_key
+
+    def _local_servers(self) -> list[LLMServer]:
+        return [b.server for b in self.models.values() if isinstance(b, _Local)]
+
+    def describe(self, model_id: str | None = None) -> dict[str, Any]:
+        """The engine behind a model served in this replica (the only one when `model_id` is None)."""
+        local = {m: b.server for m, b in self.models.items() if isinstance(b, _Local)}
+        if model_id is None and len(local) == 1:
+            (model_id,) = local
+        if model_id not in local:
+            raise ValueError(
+                f"model {model_id!r} is not served in this replica; local models: {sorted(local)}"
+            )
+        return local[model_id].describe()
+
+    def check_health(self) -> None:
+        for server in self._local_servers():
+            server.check_health()
+
+    def __del__(self) -> None:
+        for server in self._local_servers():
+            server.shutdown()
 
     def _check(self, request: Request, model: str | None = None):
         if self.api_key:
@@ -180,14 +251,14 @@ class LLMRouter:
                 raise OpenAIError("incorrect API key provided", 401, code="invalid_api_key")
         if model is None:
             return None
-        if model not in self.handles:
+        if model not in self.models:
             raise OpenAIError(
-                f"The model `{model}` does not exist. Available models: {sorted(self.handles)}",
+                f"The model `{model}` does not exist. Available models: {sorted(self.models)}",
                 404,
                 param="model",
                 code="model_not_found",
             )
-        return self.handles[model]
+        return self.models[model]
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -199,16 +270,16 @@ class LLMRouter:
         self._check(request, model)
         return next(c for c in self.cards if c["id"] == model)
 
-    async def _respond(self, handle, method: str, req):
+    async def _respond(self, backend, method: str, req):
         if not getattr(req, "stream", False):
-            result = await getattr(handle, method).remote(req)
+            result = await backend.call(method, req)
             err = _as_error(result)
             return error_response(err) if err else JSONResponse(result)
-        gen = getattr(handle.options(stream=True), method + "_stream").remote(req)
+        gen = backend.stream(method, req)
         first = await gen.__anext__()
         err = _as_error(first)
         if err:
-            gen.cancel()
+            await _close(gen)
             return error_response(err)
 
         async def sse():
@@ -221,7 +292,7 @@ class LLMRouter:
                         return
                 yield "data: [DONE]\n\n"
             finally:
-                gen.cancel()
+                await _close(gen)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -292,6 +363,10 @@ def build_llm_deployment(llm_config: LLMConfig | dict, *, name_prefix: str | Non
 def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     """The OpenAI-compatible application: `serve.run(build_openai_app(args))`.
 
+    A one-model app is a single deployment named `LLMServer:<model_id>` (routes and engine in each
+    replica); otherwise an `LLMRouter` ingress forwards to one `LLMServer:<model_id>` deployment per model
+    (see `LLMServingArgs.single_deployment`).
+
     Every config is validated (topology, tensor_parallel_size, model directory) before anything starts.
     """
     args = (
@@ -301,11 +376,15 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     )
     for config in args.llm_configs:
         config.check_model_source()
+    model_ids = [c.model_id for c in args.llm_configs]
+    mmls = [c.engine_kwargs.get("max_model_len") for c in args.llm_configs]
+    if args.fused:  # one deployment, named like the model's LLMServer, with the model's options
+        (config,) = args.llm_configs
+        ingress = serve.deployment(LLMRouter).options(**_server_options(config))
+        return ingress.bind([config], model_ids, mmls, args.api_key)
     servers = [build_llm_deployment(c) for c in args.llm_configs]
     ingress_opts: dict[str, Any] = {"max_ongoing_requests": 2048, "ray_actor_options": {"num_cpus": 0}}
     ingress_opts.update(args.ingress_deployment_config)
     ingress_opts["ray_actor_options"] = _with_fast_path(ingress_opts.get("ray_actor_options") or {})
     ingress = serve.deployment(LLMRouter).options(name="LLMRouter", **ingress_opts)
-    model_ids = [c.model_id for c in args.llm_configs]
-    mmls = [c.engine_kwargs.get("max_model_len") for c in args.llm_configs]
     return ingress.bind(servers, model_ids, mmls, args.api_key)

@@ -270,11 +270,17 @@ class LLMServingArgs:
     """The OpenAI app: its models, the ingress deployment options and an optional API key.
 
     `api_key` (or env TPURAY_SERVE_API_KEY) makes every /v1 request need `Authorization: Bearer <key>`.
+
+    `single_deployment`: None (default) serves a one-model app as ONE deployment, the OpenAI routes and
+    the engine in the same replica (one Serve hop fewer per request); several models, or an
+    `ingress_deployment_config`, get an `LLMRouter` ingress in front of one `LLMServer` deployment per
+    model (as Ray Serve LLM does). True or False forces the choice.
     """
 
     llm_configs: list[LLMConfig | dict | str]
     ingress_deployment_config: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    single_deployment: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.llm_configs, (list, tuple)) or not self.llm_configs:
@@ -286,3 +292,18 @@ class LLMServingArgs:
             raise ValueError(f"model_id values must be unique; duplicated: {dupes}")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.single_deployment not in (None, True, False):
+            raise ValueError(f"single_deployment must be true, false or null, got {self.single_deployment!r}")
+        if self.single_deployment and (len(self.llm_configs) != 1 or self.ingress_deployment_config):
+            raise ValueError(
+                f"single_deployment=True needs exactly one model and no ingress_deployment_config; got "
+                f"{len(self.llm_configs)} model(s) and ingress_deployment_config="
+                f"{self.ingress_deployment_config!r}"
+            )
+
+    @property
+    def fused(self) -> bool:
+        """True when the app runs as one deployment (ingress and engine in the same replica)."""
+        if self.single_deployment is not None:
+            return self.single_deployment
+        return len(self.llm_configs) == 1 and not self.ingress_deployment_config
