@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.engine.prompts import PromptEncoder
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.engine.scheduler import Scheduler, SeqOutput, Sequence
 from tpuray.serve.llm.engine.worker import EngineWorker, ModelRunner
@@ -37,7 +38,7 @@ def _eos_ids(path: Path, tokenizer) -> set[int]:
     return ids
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(PromptEncoder):
     def __init__(
         self, config: LLMConfig, *, use_actors: bool | None = None, reservation_timeout_s: float = 120.0
     ):
@@ -179,15 +180,6 @@ class EmbeddedEngine:
             sched.process(seqs, logits)
 
     # -- public API ---------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, index: int = 0
     ) -> AsyncIterator[SeqOutput]:

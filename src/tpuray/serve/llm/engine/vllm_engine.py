@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.engine.prompts import PromptEncoder
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.engine.scheduler import SeqOutput
 
 
-class VLLMEngine:
+class VLLMEngine(PromptEncoder):
     def __init__(self, config: LLMConfig, **_: Any):
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -30,17 +31,6 @@ class VLLMEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "vLLM", "model": self.config.model_id, "max_model_len": self.max_model_len}
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return (
-            self.tokenizer.encode(prompt, add_special_tokens=False)
-            if isinstance(prompt, str)
-            else list(prompt)
-        )
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, index: int = 0
