@@ -63,6 +63,21 @@ async def health_latencies(url: str, n: int) -> list[float]:
     return out
 
 
+async def post_floor_latencies(url: str, n: int) -> list[float]:
+    """POST /v1/completions for an unknown model: the proxy, the body fetch and FastAPI, no engine (404)."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=120) as c:
+        for i in range(n + 5):
+            t = time.perf_counter()
+            r = await c.post(url + "/v1/completions", json={"model": "no-such-model", "prompt": "x"})
+            assert r.status_code == 404, r.text
+            if i >= 5:
+                out.append(time.perf_counter() - t)
+    return out
+
+
 async def direct_throughput(server, clients: int, per_client: int, max_tokens: int) -> float:
     from tpuray.serve.llm.protocol import CompletionRequest
 
@@ -189,6 +204,7 @@ def main() -> None:
             )
             url = f"http://127.0.0.1:{port}"
             floor = asyncio.run(health_latencies(url, args.requests))
+            post_floor = asyncio.run(post_floor_latencies(url, args.requests))
             http = asyncio.run(http_latencies(url, args.requests))
             http_router = asyncio.run(http_latencies(url + "/router", args.requests))
             serve.delete("bench-router")
@@ -221,6 +237,14 @@ def main() -> None:
                     "-",
                     f"HTTP {pct(floor, 0.5) * 1000:.1f} ms",
                     "proxy + replica, no model",
+                )
+            )
+            rows.append(
+                (
+                    "Serve floor: POST, unknown model p50",
+                    "-",
+                    f"HTTP {pct(post_floor, 0.5) * 1000:.1f} ms",
+                    "+ request body fetched from the proxy",
                 )
             )
             rows.append(
