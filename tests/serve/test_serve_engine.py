@@ -10,7 +10,7 @@ import torch
 from tpuray.serve.llm import LLMConfig
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
 from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,21 @@ def test_stop_strings(engine):
     assert stop and stop in full
     text, reason, _ = run(engine, "Hello", max_tokens=30, temperature=0, stop=[stop])
     assert reason == "stop" and text == full[: full.index(stop)]
+
+
+def test_batched_sampling_matches_the_distribution_and_is_per_row_seeded():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log()
+    n = 20000
+    for top_p, want in ((1.0, probs), (0.5, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]))):
+        params = [SamplingParams(temperature=1.0, top_p=top_p)] * n
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        tokens = sample_batch(logits.expand(n, 4), params, gens)
+        freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+        assert torch.allclose(freq, want, atol=0.015), (top_p, freq)
+    # a seeded row samples the same token alone or next to other rows; temperature 0 rows are argmax
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)]
+    batch = torch.randn(2, 512)
+    alone = sample_batch(batch[1:], mixed[1:], [mixed[1].generator()])
+    together = sample_batch(batch, mixed, [mixed[0].generator(), mixed[1].generator()])
+    assert together == [int(batch[0].argmax()), alone[0]]

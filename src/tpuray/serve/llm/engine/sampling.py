@@ -30,16 +30,36 @@ class SamplingParams:
         return torch.Generator().manual_seed(seed)
 
 
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int]:
+    """One token per row of [batch, vocab] logits, each row with its own params and generator.
+
+    Softmax, top-p masking and inverse-CDF sampling run once for the whole batch; each row draws its
+    uniform number from its own generator, so a seeded sequence samples the same tokens whatever else is
+    in the batch. Temperature 0 is greedy (argmax).
+    """
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if not rows:
+        return greedy
+    temps = torch.tensor([[params[i].temperature] for i in rows])
+    probs = torch.softmax(logits[rows].float() / temps, dim=-1)
+    order = None
+    top_p = torch.tensor([[params[i].top_p] for i in rows])
+    if bool((top_p < 1.0).any()):
+        probs, order = torch.sort(probs, dim=-1, descending=True)
+        probs = probs * (torch.cumsum(probs, dim=-1) - probs < top_p)  # always keeps the most likely token
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).unsqueeze(1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
+    if order is not None:
+        picked = torch.gather(order, 1, picked)
+    for i, token in zip(rows, picked.squeeze(1).tolist(), strict=True):
+        greedy[i] = token
+    return greedy
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from a [vocab] row of logits."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        keep = cum - sorted_probs < params.top_p  # always keeps the most likely token
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sample_batch(logits.unsqueeze(0), [params], [generator])[0]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpuray.serve.llm.engine.sampling import SamplingParams, sample
+from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
 
 
 @dataclass
@@ -100,10 +100,10 @@ class Scheduler:
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence, emit outputs, retire finished sequences."""
-        for seq, row in zip(seqs, logits, strict=True):
+        tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, tokens, strict=True):
             if seq.finished:  # aborted while the step ran
                 continue
-            token = sample(row, seq.params, seq.generator)
             reason = None
             if token in self.eos_ids:
                 reason = "stop"
