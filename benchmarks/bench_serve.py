@@ -3,7 +3,9 @@
 1. HTTP overhead: p50/p99 latency of POST /v1/completions through Ray Serve vs calling the same
    ModelServer directly in this process (goal: overhead <= 5 ms at p50). The default one-model app is one
    deployment (proxy -> replica holding routes + engine); the two-deployment layout (proxy -> LLMRouter ->
-   LLMServer, as Ray Serve LLM builds it, and as tpuray builds multi-model apps) is measured beside it.
+   LLMServer, as Ray Serve LLM builds it, and as tpuray builds multi-model apps) is measured beside it,
+   and so is Ray Serve's experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the replica
+   serves HTTP on its own port, no proxy), on a second emulated cluster started with that variable.
 2. Continuous batching: tokens/s of 16 concurrent HTTP clients vs one sequential client (goal >= 4x).
 3. Tensor parallelism on the emulator: the same engine with 4 chips (2x2 slice, tpu_dist all_reduce over
    gloo) vs 1 chip (1x1 slice). The emulated chips are CPU processes sharing this machine's cores, so
@@ -152,12 +154,90 @@ async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, 
     return ms_per_token, total / (time.perf_counter() - t)
 
 
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def direct_ingress_child(requests: int) -> None:
+    """Run in a subprocess with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (set before any Ray process starts):
+    Ray Serve's experimental direct ingress, where each ingress replica serves HTTP on its own port
+    (Ray's default range starts at 30000) and no proxy sits in the path. Prints one JSON line."""
+    import json
+
+    import httpx
+    from ray import serve
+
+    from tpuray.emulator import EmulatedCluster, SliceRequest
+    from tpuray.models import build_tiny_causal_lm
+    from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
+    from tpuray.serve.llm.server import ModelServer
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmulatedCluster([SliceRequest("TPU-V6E", "1x1")], head_cpus=4, connect=True),
+    ):
+        tiny = str(build_tiny_causal_lm(os.path.join(tmp, "tiny")))
+        cfg = dict(
+            model_loading_config={"model_id": "tiny", "model_source": tiny},
+            engine_kwargs={"max_model_len": 256},
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.run(
+            build_openai_app(LLMServingArgs(llm_configs=[LLMConfig(**cfg)])),
+            name="bench-direct",
+            logging_config={"enable_access_log": False, "log_level": "WARNING"},
+        )
+        url = None
+        for port in range(30000, 30100):  # the replica's port, from Ray's direct-ingress range
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    url = f"http://127.0.0.1:{port}"
+                    break
+            except httpx.HTTPError:
+                continue
+        if url is None:
+            raise RuntimeError("no direct-ingress replica port answered in 30000-30099")
+        out = {
+            "http": asyncio.run(http_latencies(url, requests)),
+            "post_floor": asyncio.run(post_floor_latencies(url, requests)),
+            "seq": asyncio.run(http_throughput(url, clients=1, per_client=16, max_tokens=32)),
+            "conc": asyncio.run(http_throughput(url, clients=16, per_client=4, max_tokens=32)),
+        }
+        server = ModelServer(LLMConfig(**cfg))
+        out["direct"] = asyncio.run(direct_latencies(server, requests))
+        server.shutdown()
+        serve.shutdown()
+    print("DIRECT_INGRESS " + json.dumps(out))
+
+
+def run_direct_ingress(requests: int) -> dict[str, list[float]]:
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{DIRECT_INGRESS_ENV: "1"})
+    proc = subprocess.run(
+        [sys.executable, __file__, "--direct-ingress-child", "--requests", str(requests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("DIRECT_INGRESS "):
+            return json.loads(line.split(" ", 1)[1])
+    raise RuntimeError(f"direct-ingress run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=100, help="latency samples per path")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size of the TP comparison model")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--direct-ingress-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.direct_ingress_child:
+        direct_ingress_child(args.requests)
+        return
 
     import ray
     from ray import serve
@@ -311,6 +391,29 @@ def main() -> None:
             ("TP tokens/s, 16 concurrent", f"1 chip {tps1:.0f}", f"4 chips {tps4:.0f}", f"{tps4 / tps1:.2f}x")
         )
         ray.shutdown()
+
+    # 4: the same one-model app behind Ray Serve's experimental direct ingress (its own cluster) ----------
+    di = run_direct_ingress(args.requests)
+    rows.insert(
+        2,
+        (
+            "  same, Serve direct ingress (no proxy)",
+            f"direct {pct(di['direct'], 0.5) * 1000:.1f} ms",
+            f"HTTP {pct(di['http'], 0.5) * 1000:.1f} ms",
+            f"overhead {(pct(di['http'], 0.5) - pct(di['direct'], 0.5)) * 1000:+.1f} ms "
+            f"(POST floor {pct(di['post_floor'], 0.5) * 1000:.1f} ms)",
+        ),
+    )
+
+    rows.insert(
+        next(i for i, r in enumerate(rows) if r[0].startswith("engine tokens/s")),
+        (
+            "  same, Serve direct ingress (no proxy)",
+            f"1 client {di['seq']:.0f}",
+            f"16 clients {di['conc']:.0f}",
+            f"{di['conc'] / di['seq']:.1f}x",
+        ),
+    )
 
     print(f"\ntpuray.serve.llm benchmark (emulated TPU on CPU; os.cpu_count() = {os.cpu_count()})")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
