@@ -34,7 +34,7 @@ def _sizes(full: bool) -> list[int]:
 
 
 def _reps(nbytes: int, full: bool) -> int:
-    base = 30 if nbytes <= 1 << 20 else 6 if nbytes <= 16 << 20 else 3
+    base = 30 if nbytes <= 1 << 20 else 10
     return base * (2 if full else 1)
 
 

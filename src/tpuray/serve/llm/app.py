@@ -211,19 +211,20 @@ class LLMRouter:
         max_model_lens: list[int | None],
         api_key: str | None = None,
     ):
-        self.models = {
+        self.backends = {
             m: _Local(s) if isinstance(s, LLMConfig) else _Remote(s)
             for m, s in zip(model_ids, llm_servers, strict=True)
         }
         self.cards = [model_card(m, now(), mml) for m, mml in zip(model_ids, max_model_lens, strict=True)]
         self.api_key = api_key
 
-    def _local_servers(self) -> list[LLMServer]:
-        return [b.server for b in self.models.values() if isinstance(b, _Local)]
+    def _local_servers(self) -> dict[str, LLMServer]:
+        backends = getattr(self, "backends", {})  # absent when __init__ failed (then __del__ still runs)
+        return {m: b.server for m, b in backends.items() if isinstance(b, _Local)}
 
     def describe(self, model_id: str | None = None) -> dict[str, Any]:
         """The engine behind a model served in this replica (the only one when `model_id` is None)."""
-        local = {m: b.server for m, b in self.models.items() if isinstance(b, _Local)}
+        local = self._local_servers()
         if model_id is None and len(local) == 1:
             (model_id,) = local
         if model_id not in local:
@@ -233,11 +234,11 @@ class LLMRouter:
         return local[model_id].describe()
 
     def check_health(self) -> None:
-        for server in self._local_servers():
+        for server in self._local_servers().values():
             server.check_health()
 
     def __del__(self) -> None:
-        for server in self._local_servers():
+        for server in self._local_servers().values():
             server.shutdown()
 
     def _check(self, request: Request, model: str | None = None):
@@ -251,14 +252,14 @@ class LLMRouter:
                 raise OpenAIError("incorrect API key provided", 401, code="invalid_api_key")
         if model is None:
             return None
-        if model not in self.models:
+        if model not in self.backends:
             raise OpenAIError(
-                f"The model `{model}` does not exist. Available models: {sorted(self.models)}",
+                f"The model `{model}` does not exist. Available models: {sorted(self.backends)}",
                 404,
                 param="model",
                 code="model_not_found",
             )
-        return self.models[model]
+        return self.backends[model]
 
     @api.get("/v1/models")
     async def models(self, request: Request):
