@@ -134,12 +134,17 @@ def training(rank: int, world: int) -> None:
     x, y = _data(world)
     x, y = x[rank * 8 : (rank + 1) * 8].to(dev), y[rank * 8 : (rank + 1) * 8].to(dev)
 
-    for bucket_view in (False, True):
+    for bucket_view, compiled in ((False, False), (True, False), (False, True)):
         model = _model(torch.float32).to(dev)
-        ddp = DDP(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005)  # several buckets
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        # eager: tiny buckets, so several all_reduces per step; compiled: Dynamo's DDPOptimizer wants
+        # DDP's default bucket sizes
+        buckets = {} if compiled else {"bucket_cap_mb": 0.0005}
+        ddp = DDP(model, gradient_as_bucket_view=bucket_view, **buckets)
+        step = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+        torch.nn.functional.mse_loss(step(x), y).backward()
         assert all(p.grad.device.type == "tpu" for p in model.parameters())
-        _check_grads([p.grad.cpu() for p in model.parameters()], world, f"DDP bucket_view={bucket_view}")
+        what = f"DDP bucket_view={bucket_view} compiled={compiled}"
+        _check_grads([p.grad.cpu() for p in model.parameters()], world, what)
         torch.optim.SGD(ddp.parameters(), lr=0.1).step()
 
     mesh = init_device_mesh("tpu", (world,))

@@ -112,6 +112,29 @@ except ValueError as e:
     print(e)
 """
 
+COMPILE = """
+import json, torch
+from torch import nn
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("tpu")
+
+x = torch.randn(5, 8).to("tpu")
+r = {}
+for backend in ("aot_eager", "inductor"):
+    eager, model = make(), make()
+    out = torch.compile(model, backend=backend)(x)
+    ref = eager(x)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = [torch.allclose(a.grad.cpu(), b.grad.cpu(), atol=1e-6)
+             for a, b in zip(model.parameters(), eager.parameters())]
+    r[backend] = [type(out).__name__, str(out.device), torch.allclose(out.cpu(), ref.cpu(), atol=1e-6),
+                  all(grads), str(model[0].weight.grad.device)]
+print(json.dumps(r))
+"""
+
 
 @pytest.fixture(scope="module")
 def emulated() -> dict:
@@ -159,3 +182,11 @@ def test_without_emulation_tpu_dist_explains_itself(plain):
 
 def test_activate_explicitly_and_visible_chips(plain):
     assert "out of range" in plain[1] and "TPU_VISIBLE_CHIPS='2,3'" in plain[1]
+
+
+def test_torch_compile_on_the_emulated_device():
+    """torch.compile (AOTAutograd, and inductor's CPU kernels) sees through the wrapper: same numbers,
+    outputs and gradients stay on the tpu device."""
+    r = json.loads(run_python(COMPILE).stdout.strip().splitlines()[-1])
+    for backend in ("aot_eager", "inductor"):
+        assert r[backend] == ["TpuTensor", "tpu:0", True, True, "tpu:0"], (backend, r[backend])

@@ -27,6 +27,6 @@ def test_collectives(output):
 
 
 def test_ddp_dtensor_fsdp2(output):
-    """DDP (with and without gradient_as_bucket_view), DTensor, FSDP2: gradients equal a float64 CPU
-    reference and are identical across ranks."""
+    """DDP (with and without gradient_as_bucket_view, and under torch.compile), DTensor, FSDP2:
+    gradients equal a float64 CPU reference and are identical across ranks."""
     assert sorted(re.findall(r"training OK rank (\d)", output)) == ["0", "1"]

@@ -14,6 +14,9 @@ Factory functions (``torch.empty/ones/zeros/randn/arange(..., device="tpu")``) h
 to dispatch on, so they are registered for the PrivateUse1 key with ``torch.library``: each runs the
 CPU factory and wraps the result. Random numbers therefore come from the CPU generator, which
 ``torch.manual_seed`` seeds: ``torch.randn(3, device="tpu")`` equals ``torch.randn(3)`` under the same seed.
+
+``torch.compile`` works through the traceable-wrapper-subclass protocol (``__tensor_flatten__``): Dynamo
+and AOTAutograd see through the wrapper, and inductor compiles CPU kernels for the data inside it.
 """
 
 from __future__ import annotations
@@ -97,8 +100,13 @@ class TpuTensor(torch.Tensor):
         self._local = local_tensor(new)
 
     # Storage-level access (FSDP2 frees/re-allocates unsharded parameters by resizing storages,
-    # and compares data pointers) goes to the CPU storage that holds the data.
+    # and compares data pointers) goes to the CPU storage that holds the data. While torch.compile
+    # traces, the wrapper reports its own (data-less) storage instead: Dynamo fakes the wrapper and the
+    # CPU tensor inside it separately, and one storage shared by both would alias a "tpu" fake with a
+    # "meta" one.
     def untyped_storage(self) -> torch.UntypedStorage:
+        if torch.compiler.is_compiling():
+            return torch.Tensor.untyped_storage(self)
         return self._local.untyped_storage()
 
     def data_ptr(self) -> int:
@@ -120,6 +128,13 @@ class TpuTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         return TpuTensor(inner_tensors["_local"], ctx)
+
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile's AOTAutograd cache key: the metadata a compiled graph depends on, not the data."""
+        import hashlib
+
+        meta = (tuple(self.shape), self.stride(), str(self.dtype), str(self.device), self.requires_grad)
+        return hashlib.sha256(repr(meta).encode()).hexdigest()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
