@@ -306,7 +306,7 @@ def single(server, tiny_model_dir):
     from tpuray.serve.llm import LLMServingArgs, build_openai_app
 
     args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
-    assert args.fused
+    assert args.one_deployment
     before = live_pgs()
     serve.run(build_openai_app(args), name="tpuray-single", route_prefix="/single")
     yield server + "/single"

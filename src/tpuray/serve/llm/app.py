@@ -379,7 +379,7 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
         config.check_model_source()
     model_ids = [c.model_id for c in args.llm_configs]
     mmls = [c.engine_kwargs.get("max_model_len") for c in args.llm_configs]
-    if args.fused:  # one deployment, named like the model's LLMServer, with the model's options
+    if args.one_deployment:  # one deployment, named like the model's LLMServer, with the model's options
         (config,) = args.llm_configs
         ingress = serve.deployment(LLMRouter).options(**_server_options(config))
         return ingress.bind([config], model_ids, mmls, args.api_key)

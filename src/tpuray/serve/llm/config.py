@@ -302,7 +302,7 @@ class LLMServingArgs:
             )
 
     @property
-    def fused(self) -> bool:
+    def one_deployment(self) -> bool:
         """True when the app runs as one deployment (ingress and engine in the same replica)."""
         if self.single_deployment is not None:
             return self.single_deployment

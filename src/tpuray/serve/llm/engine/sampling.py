@@ -58,8 +58,3 @@ def sample_batch(
     for i, token in zip(rows, picked.squeeze(1).tolist(), strict=True):
         greedy[i] = token
     return greedy
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from a [vocab] row of logits."""
-    return sample_batch(logits.unsqueeze(0), [params], [generator])[0]
