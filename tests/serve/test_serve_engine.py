@@ -121,3 +121,29 @@ def test_batched_sampling_matches_the_distribution_and_is_per_row_seeded():
     alone = sample_batch(batch[1:], mixed[1:], [mixed[1].generator()])
     together = sample_batch(batch, mixed, [mixed[0].generator(), mixed[1].generator()])
     assert together == [int(batch[0].argmax()), alone[0]]
+
+
+def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
+    """Random token streams (special tokens and lone UTF-8 bytes included): the deltas the scheduler
+    emits, decoding only a small window per token, add up to decoding the whole output at once."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ascii_text = tok.encode("Hello, wörld: naïve café ✓ 🙂 tensor parallel", add_special_tokens=False)
+    rng = random.Random(0)
+    for trial in range(40):
+        sched = Scheduler(tok, eos_ids=set(), max_num_seqs=1, max_model_len=512)
+        pool = ascii_text if trial % 2 else range(len(tok))
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 60))]
+        seq = Sequence([1], SamplingParams(max_tokens=len(ids)), torch.Generator(), asyncio.Queue())
+        deltas = []
+        for i, token in enumerate(ids):
+            seq.output_ids.append(token)
+            sched._emit(seq, "length" if i == len(ids) - 1 else None)
+            while not seq.queue.empty():
+                deltas.append(seq.queue.get_nowait().text)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True), (trial, ids)

@@ -41,6 +41,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # chars of `text` already sent
+    prefix_offset: int = 0  # detokenizer window: output_ids[prefix_offset:read_offset] were decoded last
+    read_offset: int = 0
     sent_tokens: int = 0
     finished: bool = False
 
@@ -113,8 +115,20 @@ class Scheduler:
                     reason = "length"
             self._emit(seq, reason)
 
+    def _detokenize(self, seq: Sequence, final: bool) -> str:
+        """The output's text so far, decoding only the newest tokens plus the previous step's ones (that
+        context keeps tokenizers which merge spaces or bytes across tokens exact). An incomplete UTF-8
+        character is held back until a later token completes it or the sequence ends."""
+        ids, decode = seq.output_ids, self.tokenizer.decode
+        before = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        after = decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            seq.text += after[len(before) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return seq.text
+
     def _emit(self, seq: Sequence, reason: str | None) -> None:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        text = self._detokenize(seq, final=reason is not None)
         stops = seq.params.stop
         if stops:
             hits = [i for i in (text.find(s, max(0, seq.emitted - len(s))) for s in stops) if i >= 0]
