@@ -56,10 +56,15 @@ class Holder:
 
 
 def test_no_two_live_actors_share_a_chip(emulated_cluster) -> None:
-    singles = [Holder.options(resources={"TPU": 1}).remote() for _ in range(4)]
+    # Ray hands out a host's lowest free chips and knows nothing of TPU alignment: a pair placed on a
+    # host where a single already holds chip 0 gets the unaligned chips 1,2 (process_env rejects that,
+    # tested above). So the pairs are placed first, on free hosts, then the singles fill the rest.
     pairs = [Holder.options(resources={"TPU": 2}).remote() for _ in range(2)]
+    singles: list = []
     try:
-        got = ray.get([a.chips.remote() for a in singles + pairs], timeout=300)
+        got_pairs = ray.get([a.chips.remote() for a in pairs], timeout=300)
+        singles = [Holder.options(resources={"TPU": 1}).remote() for _ in range(4)]
+        got = ray.get([a.chips.remote() for a in singles], timeout=300) + got_pairs
         assert ray.available_resources().get("TPU", 0) == 0  # all 8 chips held
         held = [(node, int(c)) for node, visible, _, _ in got for c in visible.split(",")]
         assert len(held) == 8 and len(set(held)) == 8  # every chip held exactly once
