@@ -4,8 +4,9 @@
    ModelServer directly in this process (goal: overhead <= 5 ms at p50). The default one-model app is one
    deployment (proxy -> replica holding routes + engine); the two-deployment layout (proxy -> LLMRouter ->
    LLMServer, as Ray Serve LLM builds it, and as tpuray builds multi-model apps) is measured beside it,
-   and so is Ray Serve's experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the replica
-   serves HTTP on its own port, no proxy), on a second emulated cluster started with that variable.
+   and so are two Serve settings that must be set before Ray starts, each on its own emulated cluster:
+   the experimental direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the replica serves HTTP on its
+   own port, no proxy) and the proxy sending requests to replicas over gRPC (RAY_SERVE_PROXY_USE_GRPC=1).
 2. Continuous batching: tokens/s of 16 concurrent HTTP clients vs one sequential client (goal >= 4x).
 3. Tensor parallelism on the emulator: the same engine with 4 chips (2x2 slice, tpu_dist all_reduce over
    gloo) vs 1 chip (1x1 slice). The emulated chips are CPU processes sharing this machine's cores, so
@@ -154,13 +155,19 @@ async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, 
     return ms_per_token, total / (time.perf_counter() - t)
 
 
-DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+# Serve settings that only take effect when set before any Ray process starts: each is measured on its
+# own emulated cluster, in a subprocess. name -> (environment variable, row label).
+VARIANTS = {
+    "direct-ingress": ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "Serve direct ingress (no proxy)"),
+    "proxy-grpc": ("RAY_SERVE_PROXY_USE_GRPC", "Serve proxy -> replica over gRPC"),
+}
 
 
-def direct_ingress_child(requests: int) -> None:
-    """Run in a subprocess with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (set before any Ray process starts):
-    Ray Serve's experimental direct ingress, where each ingress replica serves HTTP on its own port
-    (Ray's default range starts at 30000) and no proxy sits in the path. Prints one JSON line."""
+def variant_child(variant: str, requests: int) -> None:
+    """Run in a subprocess whose environment sets VARIANTS[variant] to 1. direct-ingress is Ray Serve's
+    experimental direct ingress: each ingress replica serves HTTP on its own port (Ray's default range
+    starts at 30000) and no proxy sits in the path. proxy-grpc keeps the proxy but sends requests to the
+    replica over gRPC instead of Ray actor calls. Prints one JSON line."""
     import json
 
     import httpx
@@ -180,14 +187,16 @@ def direct_ingress_child(requests: int) -> None:
             model_loading_config={"model_id": "tiny", "model_source": tiny},
             engine_kwargs={"max_model_len": 256},
         )
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        proxy_port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": proxy_port})
         serve.run(
             build_openai_app(LLMServingArgs(llm_configs=[LLMConfig(**cfg)])),
-            name="bench-direct",
+            name=f"bench-{variant}",
             logging_config={"enable_access_log": False, "log_level": "WARNING"},
         )
+        ports = range(30000, 30100) if variant == "direct-ingress" else [proxy_port]
         url = None
-        for port in range(30000, 30100):  # the replica's port, from Ray's direct-ingress range
+        for port in ports:  # direct ingress: the replica's port, from Ray's direct-ingress range
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     url = f"http://127.0.0.1:{port}"
@@ -195,7 +204,7 @@ def direct_ingress_child(requests: int) -> None:
             except httpx.HTTPError:
                 continue
         if url is None:
-            raise RuntimeError("no direct-ingress replica port answered in 30000-30099")
+            raise RuntimeError(f"{variant}: no HTTP port answered /health in {ports}")
         out = {
             "http": asyncio.run(http_latencies(url, requests)),
             "post_floor": asyncio.run(post_floor_latencies(url, requests)),
@@ -206,26 +215,26 @@ def direct_ingress_child(requests: int) -> None:
         out["direct"] = asyncio.run(direct_latencies(server, requests))
         server.shutdown()
         serve.shutdown()
-    print("DIRECT_INGRESS " + json.dumps(out))
+    print("VARIANT " + json.dumps(out))
 
 
-def run_direct_ingress(requests: int) -> dict[str, list[float]]:
+def run_variant(variant: str, requests: int) -> dict[str, list[float]]:
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, **{DIRECT_INGRESS_ENV: "1"})
+    env = dict(os.environ, **{VARIANTS[variant][0]: "1"})
     proc = subprocess.run(
-        [sys.executable, __file__, "--direct-ingress-child", "--requests", str(requests)],
+        [sys.executable, __file__, "--variant-child", variant, "--requests", str(requests)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     for line in proc.stdout.splitlines():
-        if line.startswith("DIRECT_INGRESS "):
+        if line.startswith("VARIANT "):
             return json.loads(line.split(" ", 1)[1])
-    raise RuntimeError(f"direct-ingress run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    raise RuntimeError(f"{variant} run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
 def main() -> None:
@@ -233,10 +242,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100, help="latency samples per path")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size of the TP comparison model")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--direct-ingress-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant-child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.direct_ingress_child:
-        direct_ingress_child(args.requests)
+    if args.variant_child:
+        variant_child(args.variant_child, args.requests)
         return
 
     import ray
@@ -392,28 +401,28 @@ def main() -> None:
         )
         ray.shutdown()
 
-    # 4: the same one-model app behind Ray Serve's experimental direct ingress (its own cluster) ----------
-    di = run_direct_ingress(args.requests)
-    rows.insert(
-        2,
-        (
-            "  same, Serve direct ingress (no proxy)",
-            f"direct {pct(di['direct'], 0.5) * 1000:.1f} ms",
-            f"HTTP {pct(di['http'], 0.5) * 1000:.1f} ms",
-            f"overhead {(pct(di['http'], 0.5) - pct(di['direct'], 0.5)) * 1000:+.1f} ms "
-            f"(POST floor {pct(di['post_floor'], 0.5) * 1000:.1f} ms)",
-        ),
-    )
-
-    rows.insert(
-        next(i for i, r in enumerate(rows) if r[0].startswith("engine tokens/s")),
-        (
-            "  same, Serve direct ingress (no proxy)",
-            f"1 client {di['seq']:.0f}",
-            f"16 clients {di['conc']:.0f}",
-            f"{di['conc'] / di['seq']:.1f}x",
-        ),
-    )
+    # 4: the same one-model app with Serve settings that need their own cluster ---------------------------
+    for offset, variant in enumerate(VARIANTS):
+        v, label = run_variant(variant, args.requests), VARIANTS[variant][1]
+        rows.insert(
+            2 + offset,
+            (
+                f"  same, {label}",
+                f"direct {pct(v['direct'], 0.5) * 1000:.1f} ms",
+                f"HTTP {pct(v['http'], 0.5) * 1000:.1f} ms",
+                f"overhead {(pct(v['http'], 0.5) - pct(v['direct'], 0.5)) * 1000:+.1f} ms "
+                f"(POST floor {pct(v['post_floor'], 0.5) * 1000:.1f} ms)",
+            ),
+        )
+        rows.insert(
+            next(i for i, r in enumerate(rows) if r[0].startswith("engine tokens/s")),
+            (
+                f"  same, {label}",
+                f"1 client {v['seq']:.0f}",
+                f"16 clients {v['conc']:.0f}",
+                f"{v['conc'] / v['seq']:.1f}x",
+            ),
+        )
 
     print(f"\ntpuray.serve.llm benchmark (emulated TPU on CPU; os.cpu_count() = {os.cpu_count()})")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

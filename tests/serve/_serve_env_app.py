@@ -1,6 +1,7 @@
-"""Run by test_direct_ingress.py in a fresh process with RAY_SERVE_ENABLE_DIRECT_INGRESS=1: a one-model
-tpuray app behind Ray Serve's direct ingress (the replica serves HTTP on its own port, no proxy), driven
-with the openai client. Prints OK and exits 0 when every check passes."""
+"""Run by test_serve_env_settings.py in a fresh process whose environment sets one Ray Serve setting to 1
+(RAY_SERVE_ENABLE_DIRECT_INGRESS or RAY_SERVE_PROXY_USE_GRPC): a one-model tpuray app driven with the
+openai client (completion, stream, chat stream, unknown model). Prints OK and exits 0 when every check
+passes."""
 
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ from tpuray.models import build_tiny_causal_lm
 from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
 
 
-def replica_url() -> str:
-    for port in range(30000, 30100):  # Ray's default direct-ingress port range starts at 30000
+def base_url(setting: str, proxy_port: int) -> str:
+    # Direct ingress: no proxy; the replica listens on a port from Ray's range starting at 30000.
+    ports = range(30000, 30100) if setting == "RAY_SERVE_ENABLE_DIRECT_INGRESS" else [proxy_port]
+    for port in ports:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return f"http://127.0.0.1:{port}"
         except httpx.HTTPError:
             continue
-    raise RuntimeError("no direct-ingress replica answered on ports 30000-30099")
+    raise RuntimeError(f"no replica or proxy answered /health on {ports}")
 
 
-def main(port: int) -> None:
-    assert os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+def main(setting: str, port: int) -> None:
+    assert os.environ.get(setting) == "1", setting
     with (
         tempfile.TemporaryDirectory() as tmp,
         EmulatedCluster([SliceRequest("TPU-V6E", "1x1")], head_cpus=2, connect=True),
@@ -38,13 +41,25 @@ def main(port: int) -> None:
             engine_kwargs={"max_model_len": 128},
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="direct")
+        serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="env-setting")
         try:
-            c = openai.OpenAI(base_url=replica_url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+            c = openai.OpenAI(
+                base_url=base_url(setting, port) + "/v1", api_key="unused", max_retries=0, timeout=60
+            )
             kw = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
             text = c.completions.create(**kw).choices[0].text
             streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True))
             assert text and streamed == text, (text, streamed)
+            chat = c.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+            )
+            assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices), (
+                "empty chat stream"
+            )
             try:
                 c.completions.create(model="nope", prompt="x", max_tokens=1)
                 raise AssertionError("unknown model was accepted")
@@ -56,4 +71,4 @@ def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(sys.argv[1], int(sys.argv[2]))
