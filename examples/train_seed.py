@@ -1,4 +1,5 @@
 # ruff: noqa: E302, E305, F401, I001  (the seed sample kept verbatim, only ray.train renamed)
+# fmt: off
 """The seed's TorchTrainer sample, with only `ray.train` -> `tpuray.train` renamed.
 
 Run it anywhere:  .venv/bin/python examples/train_seed.py
