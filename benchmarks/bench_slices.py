@@ -5,7 +5,8 @@ ray.util.tpu.SlicePlacementGroup, alternating on the same emulated cluster (4 em
 
 Times, per run: `reserve` = constructor until the placement group is ready; `total` = reserve + 16
 trivial actors (resources={"TPU": 1}) started in the slice's bundles and answering a ping. Prints medians
-and ours/Ray ratios (goal: total ratio <= 0.8). Also checks that Ray's own SlicePlacementGroup reserves
+and ours/Ray ratios (goal: total ratio <= 0.8), and the floor both share: the same 16 actors started with no
+placement group (worker process start on this machine). Also checks that Ray's own SlicePlacementGroup reserves
 the emulated slice (the emulator looks real to Ray).
 """
 
@@ -67,6 +68,19 @@ def run_once(make, chips_per_host: int) -> tuple[float, float, list[str]]:
     return t_reserve, t_total, [s.get("ray.io/tpu-slice-name", "") for s in selector] + chips
 
 
+def actors_only_once(num_chips: int) -> float:
+    """The floor both implementations share: the same 16 actors with no placement group at all."""
+    t0 = time.perf_counter()
+    actors = [Chip.options(resources={"TPU": 1}).remote() for _ in range(num_chips)]
+    ray.get([a.ping.remote() for a in actors])
+    elapsed = time.perf_counter() - t0
+    for a in actors:
+        ray.kill(a)
+    while ray.available_resources().get("TPU", 0) < num_chips:
+        time.sleep(0.05)
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -97,10 +111,12 @@ def main() -> None:
         for _ in range(args.reserve_repeats):
             for name, make in impls.items():
                 reserve_only[name].append(reserve_once(make))
+        floor: list[float] = []
         for _ in range(args.repeats):
             for name, make in impls.items():
                 t_reserve, t_total, _ = run_once(make, 4)
                 results[name].append((t_reserve, t_total))
+            floor.append(actors_only_once(16))
         ours, theirs = (results[n] for n in impls)
         med = {
             n: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v))
@@ -118,7 +134,14 @@ def main() -> None:
         print(
             f"{'ratio tpuray / ray':34} {o_x / r_x:17.2f} {o_r / r_r:12.2f} {o_t / r_t:22.2f}   (goal: <= 0.8)"
         )
+        f = statistics.median(floor)
+        print(f"{'floor: 16 actors, no reservation':34} {'-':>17} {'-':>12} {f:22.3f}")
+        print(
+            f"above the floor (reserve + placing actors in the slice's bundles): tpuray {o_t - f:+.3f} s, "
+            f"ray {r_t - f:+.3f} s"
+        )
         print(f"runs: tpuray={[round(t, 2) for _, t in ours]} ray={[round(t, 2) for _, t in theirs]}")
+        print(f"floor runs: {[round(t, 2) for t in floor]}")
 
 
 if __name__ == "__main__":
