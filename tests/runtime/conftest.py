@@ -23,11 +23,17 @@ def free_port() -> int:
 
 
 def run_python(
-    code: str | None = None, *, args: list[str] | None = None, emulation: bool = True, timeout: float = 300
+    code: str | None = None,
+    *,
+    args: list[str] | None = None,
+    emulation: bool = True,
+    timeout: float = 300,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TPURAY_EMULATION", "TPU_VISIBLE_CHIPS")}
     if emulation:
         env["TPURAY_EMULATION"] = "1"
+    env.update(extra_env or {})
     cmd = [sys.executable, "-W", "ignore"] + (["-c", textwrap.dedent(code)] if code is not None else args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -39,6 +39,25 @@ def _host_environ(env: dict[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
+def _torch_tpu_env() -> dict[str, str]:
+    """Where torch_tpu is installed: probe it once here (seconds) and hand the answer to every emulated
+    host, so that their worker processes do not each probe again; warn when it blocks emulation."""
+    from tpuray.runtime.detect import (
+        PROBE_ENV,
+        emulation_blocked_reason,
+        torch_tpu_installed,
+        torch_tpu_usable,
+    )
+
+    if not torch_tpu_installed():
+        return {}
+    env = {PROBE_ENV: "1" if torch_tpu_usable() else "0"}
+    blocked = emulation_blocked_reason()
+    if blocked:
+        logger.warning("emulated TPU hosts will not have an emulated tpu device: %s", blocked)
+    return env
+
+
 def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> Any:
     """cluster.add_node, retried when Ray's fixed 30 s node-registration wait runs out (a loaded machine).
 
@@ -119,6 +138,7 @@ class EmulatedCluster:
         )
         self._cluster: Any = None
         self._connected = False
+        self._extra_host_env: dict[str, str] = {}  # set at start (torch_tpu probe result)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -139,6 +159,7 @@ class EmulatedCluster:
         from ray.cluster_utils import Cluster
 
         logger.info("starting emulated TPU cluster: %s", self.describe())
+        self._extra_host_env = _torch_tpu_env()
         cluster = Cluster(shutdown_at_exit=True)
         self._cluster = cluster
         try:
@@ -165,7 +186,8 @@ class EmulatedCluster:
         return self
 
     def _add_host(self, host: HostSpec) -> Any:
-        with _host_environ(host.env):
+        env = {**host.env, **self._extra_host_env}
+        with _host_environ(env):
             return _add_node_with_retry(
                 self._cluster,
                 num_cpus=host.num_cpus,
@@ -173,7 +195,7 @@ class EmulatedCluster:
                 object_store_memory=self.object_store_bytes,
                 resources=dict(host.resources),
                 labels=dict(host.labels),
-                env_vars=dict(host.env),
+                env_vars=env,
                 node_name=host.node_name,
             )
 

@@ -30,13 +30,18 @@ def activate() -> str:
     global _mode
     if _mode is not None:
         return _mode
-    from tpuray.runtime.detect import torch_tpu_usable
+    import sys
+
+    from tpuray.runtime.detect import emulation_blocked_reason, torch_tpu_usable
 
     if torch_tpu_usable():
         import torch_tpu  # noqa: F401  (registers "tpu" and "tpu_dist" itself)
 
         _mode = "real"
         return _mode
+    blocked = emulation_blocked_reason()
+    if blocked and "torch_tpu" in sys.modules:  # its kernels are loaded (autoload was on at import torch)
+        raise RuntimeError(blocked)
     os.environ["TPURAY_EMULATION"] = "1"
     _register_emulation()
     return "emulated"
@@ -49,20 +54,26 @@ def is_emulated() -> bool:
 
 def _activate_from_autoload() -> None:
     """Entry-point path: TPURAY_EMULATION=1 is set; emulate unless a real TorchTPU is usable."""
-    from tpuray.runtime.detect import torch_tpu_usable
+    from tpuray.runtime.detect import emulation_blocked_reason, torch_tpu_usable
 
     if torch_tpu_usable():
         log.info("tpuray: real TorchTPU found; not emulating the tpu device")
         return
+    blocked = emulation_blocked_reason()
+    if blocked:  # torch_tpu's entry point loads its kernels in this same `import torch`
+        log.error("tpuray: TPURAY_EMULATION=1 but the tpu device is NOT emulated: %s", blocked)
+        _register_stub(force=True)
+        return
     _register_emulation()
 
 
-def _register_stub() -> None:
-    """Entry-point path without emulation: a tpu_dist whose error says how to get a real one."""
+def _register_stub(force: bool = False) -> None:
+    """Entry-point path without emulation: a tpu_dist whose error says how to get a real one. Left to
+    torch_tpu where it is installed (it registers tpu_dist itself where chips exist), unless `force`."""
     from tpuray.runtime.detect import torch_tpu_installed
 
-    if torch_tpu_installed():
-        return  # torch_tpu registers (or deliberately doesn't register) tpu_dist itself
+    if torch_tpu_installed() and not force:
+        return
     import torch.distributed as dist
 
     if dist.is_available():

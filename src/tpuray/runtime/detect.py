@@ -1,7 +1,15 @@
 """Is a real TorchTPU (``torch_tpu``) usable in this process's environment?
 
-``import torch_tpu`` aborts the whole process (a C++ CHECK, not an ImportError) when libtpu is missing,
-so the probe imports it in a subprocess, and only when the package is installed at all.
+``import torch_tpu`` initialises libtpu and, where that fails hard, can take the process down, so the
+probe imports it in a subprocess, and only when the package is installed at all. The probe costs a few
+seconds (torch_tpu loads libtpu), so its answer is passed down to child processes in
+``TPURAY_TORCH_TPU_USABLE`` (the emulator sets it on every emulated host).
+
+torch_tpu installed where no TPU chip is usable (a CPU machine after ``pip install 'tpuray[tpu]'``) is a
+dead end for emulation: torch_tpu's own ``torch.backends`` entry point loads its C++ kernels for
+PyTorch's PrivateUse1 device at every ``import torch``, so a ``tpu`` tensor would run torch_tpu's
+kernels (which look for TPU hardware and, on a CPU machine, block) instead of tpuray's. tpuray then refuses to emulate and
+says why (:func:`emulation_blocked_reason`).
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+
+PROBE_ENV = "TPURAY_TORCH_TPU_USABLE"  # "1" / "0": the probe's answer, inherited from a parent process
 
 _PROBE = (
     "import torch, torch_tpu; import torch.distributed as dist; assert 'TPU_DIST' in dist.Backend._plugins"
@@ -27,9 +37,13 @@ def torch_tpu_installed() -> bool:
 
 @functools.cache
 def torch_tpu_usable(timeout_s: float = 120.0) -> bool:
-    """Whether torch_tpu imports and registers ``tpu_dist`` here (probed once, in a subprocess)."""
+    """Whether torch_tpu imports and registers ``tpu_dist`` here (probed once, in a subprocess, unless
+    ``TPURAY_TORCH_TPU_USABLE`` already holds the answer)."""
     if not torch_tpu_installed():
         return False
+    inherited = os.environ.get(PROBE_ENV)
+    if inherited in ("0", "1"):
+        return inherited == "1"
     env = {k: v for k, v in os.environ.items() if k != "TPURAY_EMULATION"}
     try:
         proc = subprocess.run(
@@ -43,3 +57,17 @@ def torch_tpu_usable(timeout_s: float = 120.0) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0
+
+
+def emulation_blocked_reason() -> str | None:
+    """Why the emulated ``tpu`` device cannot work in this Python environment, or None when it can."""
+    if not torch_tpu_installed() or torch_tpu_usable():
+        return None
+    return (
+        "torch_tpu is installed in this Python environment but no TPU chip is usable here, and its "
+        "torch.backends entry point loads its kernels for PyTorch's PrivateUse1 ('tpu') device at every "
+        "`import torch`, so tpuray cannot emulate the tpu device next to it (tpu tensors would go to "
+        "torch_tpu's kernels, which look for TPU hardware and can block). To emulate on this machine use an environment "
+        "without torch_tpu (`pip uninstall torch_tpu libtpu`); on a Cloud TPU VM, torch_tpu is used and "
+        "nothing is emulated"
+    )

@@ -23,13 +23,14 @@ NOT_AVAILABLE = (
 
 
 def _not_available(store, rank, size, timeout):
-    from tpuray.runtime.detect import torch_tpu_installed
+    from tpuray.runtime.detect import emulation_blocked_reason, torch_tpu_installed
 
     state = repr(os.environ["TPURAY_EMULATION"]) if "TPURAY_EMULATION" in os.environ else "unset"
     tpu = (
         "installed but not usable here (no TPU chips or libtpu)" if torch_tpu_installed() else "not installed"
     )
-    raise RuntimeError(NOT_AVAILABLE.format(state=state, tpu=tpu))
+    blocked = emulation_blocked_reason() if os.environ.get("TPURAY_EMULATION") == "1" else None
+    raise RuntimeError(blocked or NOT_AVAILABLE.format(state=state, tpu=tpu))
 
 
 def register_stub() -> None:

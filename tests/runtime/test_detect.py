@@ -1,0 +1,72 @@
+"""Choosing between a real TorchTPU and the emulation when the torch_tpu package is installed.
+
+torch_tpu cannot run here (no TPU chips), so these tests put a stand-in `torch_tpu` package on the path:
+it imports and, like the real one on a machine without chips, registers no `tpu_dist`. (With the real
+torch_tpu 0.2.0 on this CPU machine the same paths were checked by hand, see docs/real-tpu.md.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import free_port, run_python
+
+CHECK = """
+import json, sys
+import torch, torch.distributed as dist
+import tpuray.runtime as rt
+from tpuray.runtime import detect
+r = {
+    "installed": detect.torch_tpu_installed(),
+    "usable": detect.torch_tpu_usable(),
+    "emulated": rt.is_emulated(),
+    "privateuse1": torch._C._get_privateuse1_backend_name(),
+}
+try:
+    dist.init_process_group("tpu_dist", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+    r["dist"] = "initialised"
+except (RuntimeError, AssertionError) as e:  # AssertionError: torch's "Unknown backend type"
+    r["dist"] = str(e)
+if not r["usable"]:
+    import torch_tpu  # what the real package's torch.backends entry point does at `import torch`
+    try:
+        rt.activate()
+        r["activate"] = "no error"
+    except RuntimeError as e:
+        r["activate"] = str(e)
+print(json.dumps(r))
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path) -> dict[str, str]:
+    pkg = tmp_path / "torch_tpu"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('"""Stand-in for torch_tpu on a machine without TPU chips."""\n')
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def _run(extra_env: dict[str, str]) -> tuple[dict, str]:
+    proc = run_python(CHECK % free_port(), extra_env=extra_env)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_installed_but_unusable_torch_tpu_blocks_emulation_with_an_explanation(stand_in) -> None:
+    r, stderr = _run(stand_in)
+    assert r["installed"] and not r["usable"]  # probed in a subprocess: no tpu_dist registered
+    assert not r["emulated"] and r["privateuse1"] == "privateuseone"  # PrivateUse1 left alone
+    assert "NOT emulated" in stderr and "pip uninstall torch_tpu" in stderr  # logged at import torch
+    for msg in (r["dist"], r["activate"]):
+        assert "torch_tpu is installed" in msg and "no TPU chip is usable" in msg
+
+
+def test_probe_answer_is_inherited_from_the_parent(stand_in) -> None:
+    """TPURAY_TORCH_TPU_USABLE (set by the emulator on its hosts) is trusted instead of probing again."""
+    r, stderr = _run({**stand_in, "TPURAY_TORCH_TPU_USABLE": "1"})
+    assert r["installed"] and r["usable"]  # no probe: the stand-in would have failed it
+    assert not r["emulated"] and "NOT emulated" not in stderr  # stands aside for the "real" TorchTPU
+    assert "Unknown backend type tpu_dist" in r["dist"]  # left to torch_tpu (this stand-in has none)
+    r, _ = _run({**stand_in, "TPURAY_TORCH_TPU_USABLE": "0"})
+    assert not r["usable"] and "torch_tpu is installed" in r["dist"]
