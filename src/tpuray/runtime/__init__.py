@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 log = logging.getLogger("tpuray.runtime")
 
@@ -30,8 +31,6 @@ def activate() -> str:
     global _mode
     if _mode is not None:
         return _mode
-    import sys
-
     from tpuray.runtime.detect import emulation_blocked_reason, torch_tpu_usable
 
     if torch_tpu_usable():

@@ -8,8 +8,8 @@ seconds (torch_tpu loads libtpu), so its answer is passed down to child processe
 torch_tpu installed where no TPU chip is usable (a CPU machine after ``pip install 'tpuray[tpu]'``) is a
 dead end for emulation: torch_tpu's own ``torch.backends`` entry point loads its C++ kernels for
 PyTorch's PrivateUse1 device at every ``import torch``, so a ``tpu`` tensor would run torch_tpu's
-kernels (which look for TPU hardware and, on a CPU machine, block) instead of tpuray's. tpuray then refuses to emulate and
-says why (:func:`emulation_blocked_reason`).
+kernels (which look for TPU hardware and, on a CPU machine, block) instead of tpuray's. tpuray then
+refuses to emulate and says why (:func:`emulation_blocked_reason`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def emulation_blocked_reason() -> str | None:
         "torch_tpu is installed in this Python environment but no TPU chip is usable here, and its "
         "torch.backends entry point loads its kernels for PyTorch's PrivateUse1 ('tpu') device at every "
         "`import torch`, so tpuray cannot emulate the tpu device next to it (tpu tensors would go to "
-        "torch_tpu's kernels, which look for TPU hardware and can block). To emulate on this machine use an environment "
-        "without torch_tpu (`pip uninstall torch_tpu libtpu`); on a Cloud TPU VM, torch_tpu is used and "
-        "nothing is emulated"
+        "torch_tpu's kernels, which look for TPU hardware and can block). To emulate on this machine use "
+        "an environment without torch_tpu (`pip uninstall torch_tpu libtpu`); on a Cloud TPU VM, "
+        "torch_tpu is used and nothing is emulated"
     )
