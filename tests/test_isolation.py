@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -45,32 +46,49 @@ def test_process_env_rejects_bad_input() -> None:
 
 @ray.remote(num_cpus=0)
 class Holder:
-    def chips(self) -> tuple[str, str, list[str], dict]:
+    def chips(self) -> tuple[str, str, list[str]]:
         ctx = ray.get_runtime_context()
-        return (
-            ctx.get_node_id(),
-            os.environ["TPU_VISIBLE_CHIPS"],
-            ctx.get_accelerator_ids()["TPU"],
-            process_env(),
-        )
+        return ctx.get_node_id(), os.environ["TPU_VISIBLE_CHIPS"], ctx.get_accelerator_ids()["TPU"]
+
+    def process_env(self) -> dict:
+        return process_env()
 
 
 def test_no_two_live_actors_share_a_chip(emulated_cluster) -> None:
-    # Ray hands out a host's lowest free chips and knows nothing of TPU alignment: a pair placed on a
-    # host where a single already holds chip 0 gets the unaligned chips 1,2 (process_env rejects that,
-    # tested above). So the pairs are placed first, on free hosts, then the singles fill the rest.
-    pairs = [Holder.options(resources={"TPU": 2}).remote() for _ in range(2)]
-    singles: list = []
+    holders = [Holder.options(resources={"TPU": 1}).remote() for _ in range(8)]
     try:
-        got_pairs = ray.get([a.chips.remote() for a in pairs], timeout=300)
-        singles = [Holder.options(resources={"TPU": 1}).remote() for _ in range(4)]
-        got = ray.get([a.chips.remote() for a in singles], timeout=300) + got_pairs
+        got = ray.get([a.chips.remote() for a in holders], timeout=300)
+        envs = ray.get([a.process_env.remote() for a in holders], timeout=300)
         assert ray.available_resources().get("TPU", 0) == 0  # all 8 chips held
-        held = [(node, int(c)) for node, visible, _, _ in got for c in visible.split(",")]
-        assert len(held) == 8 and len(set(held)) == 8  # every chip held exactly once
-        for _node, visible, ids, env in got:
+        held = [(node, int(visible)) for node, visible, _ in got]
+        assert len(set(held)) == 8  # every chip held exactly once
+        for (_node, visible, ids), env in zip(got, envs, strict=True):
             assert visible == ",".join(ids) == env["TPU_VISIBLE_CHIPS"]  # Ray's choice is kept
-        assert all(len(v.split(",")) == 2 for _, v, _, _ in got[4:])
     finally:
-        for a in singles + pairs:
+        for a in holders:
             ray.kill(a)
+
+
+def test_unaligned_two_chip_share_is_refused_clearly(emulated_cluster) -> None:
+    """Ray hands out a host's lowest free chips and knows nothing of TPU alignment: a pair placed on a
+    host where a single already holds chip 0 gets chips 1,2, which libtpu cannot address."""
+    from ray._private.state import available_resources_per_node
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = emulated_cluster.slices[0].node_ids[0]
+    deadline = time.monotonic() + 60  # chips of actors killed by earlier tests come back asynchronously
+    while available_resources_per_node().get(node, {}).get("TPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    on_host = NodeAffinitySchedulingStrategy(node, soft=False)
+    single = Holder.options(resources={"TPU": 1}, scheduling_strategy=on_host).remote()
+    pair = None
+    try:
+        assert ray.get(single.chips.remote(), timeout=300)[1] == "0"
+        pair = Holder.options(resources={"TPU": 2}, scheduling_strategy=on_host).remote()
+        assert ray.get(pair.chips.remote(), timeout=300)[1] == "1,2"
+        with pytest.raises(ValueError, match=r"chips \[1, 2\] are not an aligned share .* multiple of 2"):
+            ray.get(pair.process_env.remote(), timeout=300)
+    finally:
+        for a in (single, pair):
+            if a is not None:
+                ray.kill(a)

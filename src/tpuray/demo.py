@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from tpuray.constants import DEMO_PORT_ENV
+from tpuray.validation import ConfigError
 
 MODEL_ID = "tpuray-demo"
 
@@ -51,9 +52,9 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
 
 
 def train_loop(config: dict) -> None:
@@ -190,7 +191,7 @@ def _serve_and_ask(
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
         engine_kwargs={"tensor_parallel_size": _chips(cfg), "max_model_len": 256},
     )
-    port = int(os.environ.get("TPURAY_DEMO_PORT", "8000"))
+    port = int(os.environ.get(DEMO_PORT_ENV, "8000"))
     _say(cfg, f"serving {MODEL_ID} with build_openai_app (tensor parallel over {_chips(cfg)} emulated chips)")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_openai_app(LLMServingArgs(llm_configs=[llm_config])), blocking=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpuray.validation import ConfigError
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
@@ -37,7 +39,7 @@ def build_tokenizer(corpus: str | None = None, vocab_size: int = 512, model_max_
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least 261")
+        raise ConfigError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least 261")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -83,7 +85,7 @@ def build_tiny_causal_lm(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if hidden_size % num_attention_heads:
-        raise ValueError(
+        raise ConfigError(
             f"hidden_size={hidden_size} must be a multiple of num_attention_heads={num_attention_heads}"
         )
     path = Path(path)

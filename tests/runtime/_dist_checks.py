@@ -166,7 +166,38 @@ def training(rank: int, world: int) -> None:
     opt.step()
 
 
-CHECKS = {"collectives": collectives, "training": training}
+def _three_steps(model: torch.nn.Module, world: int) -> None:
+    x, y = _data(world)
+    for _ in range(3):  # DDP samples runtime stats from its second iteration on
+        torch.nn.functional.mse_loss(model(x[:8].to("tpu")), y[:8].to("tpu")).backward()
+
+
+def plain_ddp(rank: int, world: int) -> None:
+    """DDP built directly on the tpu device (c10d prints its time-stats warning here)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _three_steps(DDP(_model(torch.float32).to("tpu")), world)
+
+
+def prepare_model(rank: int, world: int) -> None:
+    """tpuray.train.torch.prepare_model in a training session: DDP over tpu_dist on the tpu device."""
+    from tpuray.train import session
+    from tpuray.train.torch import get_device, prepare_model
+
+    ctx = session.TrainContext(rank, world, rank, world, 0, "check", "/tmp", "/tmp", device_type="tpu")
+    session._start(ctx, None, 0)
+    model = prepare_model(_model(torch.float32))
+    assert type(model).__name__ == "DistributedDataParallel" and get_device().type == "tpu"
+    _three_steps(model, world)
+    assert model._get_ddp_logging_data()["backend_name"] == "tpu_dist"  # the rest of DDP's logger works
+
+
+CHECKS = {
+    "collectives": collectives,
+    "training": training,
+    "plain_ddp": plain_ddp,
+    "prepare_model": prepare_model,
+}
 
 
 def _run(rank: int, checks: list[str], world: int, port: int) -> None:

@@ -12,12 +12,24 @@ import pytest
 
 from conftest import HERE, free_port, run_python
 
-CHECKS = ["collectives", "training"]
+CHECKS = ["collectives", "training", "plain_ddp"]
+
+
+DDP_TIME_STATS = "Time stats are currently only collected for CPU and CUDA devices"
+
+
+def _run_checks(checks: list[str]):
+    return run_python(args=[str(HERE / "_dist_checks.py"), ",".join(checks), "2", str(free_port())])
 
 
 @pytest.fixture(scope="module")
-def output() -> str:
-    return run_python(args=[str(HERE / "_dist_checks.py"), ",".join(CHECKS), "2", str(free_port())]).stdout
+def proc():
+    return _run_checks(CHECKS)
+
+
+@pytest.fixture(scope="module")
+def output(proc) -> str:
+    return proc.stdout
 
 
 def test_collectives(output):
@@ -30,3 +42,12 @@ def test_ddp_dtensor_fsdp2(output):
     """DDP (with and without gradient_as_bucket_view, and under torch.compile), DTensor, FSDP2:
     gradients equal a float64 CPU reference and are identical across ranks."""
     assert sorted(re.findall(r"training OK rank (\d)", output)) == ["0", "1"]
+
+
+def test_prepare_model_keeps_ddp_quiet_on_the_emulated_device(proc):
+    """Plain DDP on the emulated device prints c10d's time-stats warning once per process (no timer for
+    the tpu device); prepare_model's DDP does not."""
+    assert DDP_TIME_STATS in proc.stderr  # the check can fail: plain DDP (plain_ddp) prints it
+    quiet = _run_checks(["prepare_model"])
+    assert sorted(re.findall(r"prepare_model OK rank (\d)", quiet.stdout)) == ["0", "1"]
+    assert DDP_TIME_STATS not in quiet.stderr

@@ -37,7 +37,7 @@ def test_seed_config_is_accepted_and_notes_ignored_kwargs(caplog):
         (dict(engine_kwargs={"tensor_parallel_size": 8}), r"tensor_parallel_size=8 .*valid: 16"),
         (
             dict(engine_kwargs={"tensor_parallel_size": "16"}),
-            r"tensor_parallel_size must be a positive int, got '16'",
+            r"tensor_parallel_size='16' is invalid: use an integer >= 1",
         ),
         (dict(accelerator_config={"kind": "tpu", "topology": "3x5"}), r"3x5"),
         (dict(accelerator_config={"kind": "tpu", "topology": "banana"}), r"banana"),
@@ -47,9 +47,9 @@ def test_seed_config_is_accepted_and_notes_ignored_kwargs(caplog):
         (dict(accelerator_type="TPU-V99"), r"V99"),
         (
             dict(engine_kwargs={"tensor_parallel_size": 16, "max_model_len": 0}),
-            r"max_model_len must be a positive int, got 0",
+            r"max_model_len=0 is invalid: use an integer >= 1",
         ),
-        (dict(engine_kwargs={"tensor_parallel_size": 16, "max_model_len": -5}), r"got -5"),
+        (dict(engine_kwargs={"tensor_parallel_size": 16, "max_model_len": -5}), r"max_model_len=-5"),
         (
             dict(engine_kwargs={"tensor_parallel_size": 16, "pipeline_parallel_size": 2}),
             r"pipeline_parallel_size=2",

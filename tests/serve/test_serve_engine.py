@@ -147,3 +147,18 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
             while not seq.queue.empty():
                 deltas.append(seq.queue.get_nowait().text)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True), (trial, ids)
+
+
+def test_generate_after_shutdown_is_a_clear_error(tiny_model_dir):
+    from tpuray.serve.llm.engine.embedded import EngineShutDownError
+
+    cfg = LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+        engine_kwargs={"max_model_len": 64, "max_num_seqs": 2},
+    )
+    eng = EmbeddedEngine(cfg)
+    assert run(eng, "ab", max_tokens=2, temperature=0)[2] == 2
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+    with pytest.raises(EngineShutDownError, match="'tiny' is shut down"):
+        run(eng, "ab", max_tokens=2, temperature=0)

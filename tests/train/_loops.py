@@ -72,7 +72,13 @@ def resumable_loop(config: dict) -> None:
     for epoch in range(start, config["epochs"]):
         with tempfile.TemporaryDirectory() as d:
             torch.save({"epoch": epoch + 1}, os.path.join(d, "state.pt"))
-            metrics = {"epoch": epoch + 1, "attempt": ctx.get_attempt(), "resumed_from": start}
+            metrics = {
+                "epoch": epoch + 1,
+                "attempt": ctx.get_attempt(),
+                "resumed_from": start,
+                "node_id": __import__("ray").get_runtime_context().get_node_id(),
+                "slice": os.environ.get("TPU_NAME"),
+            }
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         if ctx.get_attempt() == 0 and epoch + 1 == config["kill_after"] and ctx.get_world_rank() == 0:
             with open(config["marker"], "w") as f:

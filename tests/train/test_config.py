@@ -37,11 +37,11 @@ def test_num_slices_inferred_like_ray() -> None:
         (dict(num_workers=6, topology="2x2", **V6E), ["num_workers=6", "4"]),
         (
             dict(num_workers=4, topology="2x2", resources_per_worker={"TPU": 3}, **V6E),
-            ["TPU']=3", "1, 2, 4, 8"],
+            ["TPU']=3", "valid: 1, 2, 4."],
         ),
         (
             dict(num_workers=1, topology="2x2", resources_per_worker={"TPU": 8}, **V6E),
-            ["TPU']=8", "[1, 2, 4]"],
+            ["TPU']=8", "valid: 1, 2, 4."],
         ),
         (dict(num_workers=4, topology="2x2", num_slices=2, **V6E), ["num_workers=4", "num_workers=8"]),
         (dict(num_workers=2, resources_per_worker={"TPU": 1}), ["requests TPU", "use_tpu=True"]),
@@ -119,3 +119,20 @@ def test_run_state_commits_and_rewinds_exactly_once() -> None:
     state.add(1, [rec(1, False, False), rec(2, True, False)], seen.append)
     assert state.commit() == 2
     assert [m["epoch"] for m in state.metrics_history()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("auto_transfer", [True, False])
+def test_prepare_data_loader_moves_every_batch_in_order(auto_transfer: bool) -> None:
+    """Outside a run (world size 1) the loader is not resharded; batches come in order on the device,
+    moved one ahead on a background thread (auto_transfer) or when asked for."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tpuray.train.torch import prepare_data_loader
+
+    data = TensorDataset(torch.arange(10.0))
+    loader = prepare_data_loader(DataLoader(data, batch_size=3), auto_transfer=auto_transfer)
+    got = [batch for (batch,) in loader]
+    assert torch.equal(torch.cat(got), torch.arange(10.0)) and len(loader) == 4
+    assert {b.device.type for b in got} == {"cpu"}
+    assert [batch for (batch,) in loader][0].tolist() == [0.0, 1.0, 2.0]  # iterable again

@@ -69,7 +69,10 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
     assert result.num_failures == 1 and result.error is None
     assert result.checkpoint.path.endswith("checkpoint_000004")
     # The restarted run landed on a whole slice that does not include the dead host.
-    assert len([sl for sl in emulated_cluster.slices if len(sl.node_ids) == sl.topology.num_hosts]) == 2
+    dead_slice = history[0]["slice"]
+    assert {m["node_id"] for m in history[:3]} == {killed["node_id"]}
+    assert all(m["node_id"] != killed["node_id"] and m["slice"] != dead_slice for m in history[3:])
+    assert {m["slice"] for m in history[3:]} <= {sl.name for sl in emulated_cluster.slices}
 
 
 def test_crashed_worker_process_restarts_group(emulated_cluster, pg_leak_check, tmp_path) -> None:

@@ -7,6 +7,9 @@ import argparse
 import importlib
 import sys
 
+from tpuray.optional import MissingDependency
+from tpuray.validation import ConfigError
+
 # Order is the order shown in `tpuray --help`.
 COMMANDS = ("demo", "plan", "emulate", "status", "serve", "k8s")
 
@@ -28,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tpuray {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"tpuray.cli.{name}")
-        except ModuleNotFoundError as e:  # subcommand not built yet
-            if e.name != f"tpuray.cli.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"tpuray.cli.{name}").register(sub)
     return parser
 
 
@@ -46,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError) as e:
+    except (
+        UsageError,
+        ConfigError,
+        MissingDependency,
+    ) as e:  # bad input: one line; anything else keeps its traceback
         print(f"tpuray {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from tpuray.validation import ConfigError
+
 EPILOG = """\
 examples:
   tpuray plan --accelerator-type TPU-V6E --topology 4x4
@@ -68,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
 
     topo = SliceTopology.parse(args.accelerator_type, args.topology)
     if args.limit < 0:
-        raise ValueError(f"--limit {args.limit} must be >= 0")
+        raise ConfigError(f"--limit {args.limit} must be >= 0")
     hostnames = None
     if args.hostnames is not None:
         if args.num_slices != 1:
-            raise ValueError("--hostnames works with --num-slices 1 only")
+            raise ConfigError("--hostnames works with --num-slices 1 only")
         hostnames = [[h.strip() for h in args.hostnames.split(",")]]
     plan = plan_dict(topo, args.num_slices, args.chips_per_process, hostnames, args.port_base)
     if args.png:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
+from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +121,11 @@ class EmulatedCluster:
             slices = [slices]
         self.requests: list[SliceRequest] = list(slices)
         if head_cpus < 0:
-            raise ValueError(f"head_cpus must be >= 0, got {head_cpus}")
+            raise ConfigError(f"head_cpus must be >= 0, got {head_cpus}")
         if host_memory_gb <= 0:
-            raise ValueError(f"host_memory_gb must be > 0, got {host_memory_gb}")
+            raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
         if object_store_mb < 75:
-            raise ValueError(f"object_store_mb must be >= 75 (Ray's minimum), got {object_store_mb}")
+            raise ConfigError(f"object_store_mb must be >= 75 (Ray's minimum), got {object_store_mb}")
         self.head_cpus = head_cpus
         self.cpus_per_chip = cpus_per_chip
         self.host_memory_bytes = int(host_memory_gb * 1024**3)
@@ -137,7 +138,6 @@ class EmulatedCluster:
             self.requests, "127.0.0.1", name_prefix, cpus_per_chip, self.host_memory_bytes
         )
         self._cluster: Any = None
-        self._connected = False
         self._extra_host_env: dict[str, str] = {}  # set at start (torch_tpu probe result)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class EmulatedCluster:
                 worker_id = sl.node_ids.index(node_id)
                 break
         else:
-            raise ValueError(f"node {node_id!r} is not an emulated TPU host of {self!r}")
+            raise ConfigError(f"node {node_id!r} is not an emulated TPU host of {self!r}")
         node = next(n for n in self._cluster.list_all_nodes() if n.node_id == node_id)
         logger.info("killing emulated TPU host %s worker %d (node %s)", sl.name, worker_id, node_id)
         self._cluster.remove_node(node, allow_graceful=False)
@@ -232,7 +232,7 @@ class EmulatedCluster:
         name, worker_id = token
         sl = next((s for s in self.slices if s.name == name), None)
         if sl is None or not 0 <= worker_id < len(sl.hosts):
-            raise ValueError(f"no emulated host {token!r} in {self!r}")
+            raise ConfigError(f"no emulated host {token!r} in {self!r}")
         node = self._add_host(sl.hosts[worker_id])
         sl.node_ids[worker_id] = node.node_id
         self._cluster.wait_for_nodes()
@@ -246,14 +246,12 @@ class EmulatedCluster:
         if ray.is_initialized():
             current = ray.get_runtime_context().gcs_address
             if current == self.address:
-                self._connected = True
                 return None
             raise RuntimeError(
                 f"this process is already connected to another Ray cluster ({current}); "
                 f"call ray.shutdown() before connecting to the emulated cluster at {self.address}"
             )
         info = ray.init(address=self.address, namespace=namespace, **init_kwargs)
-        self._connected = True
         return info
 
     def shutdown(self) -> None:
@@ -270,7 +268,6 @@ class EmulatedCluster:
                 same = True
             if same:
                 ray.shutdown()
-        self._connected = False
         nodes = cluster.list_all_nodes()
         try:
             cluster.shutdown()

@@ -19,13 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpuray.constants import STATE_DIR_ENV
+from tpuray.validation import ConfigError
+
 STATE_FILE = "cluster.json"
 LOG_FILE = "emulator.log"
 
 
 def state_dir(path: str | os.PathLike | None = None) -> Path:
     if path is None:
-        path = os.environ.get("TPURAY_STATE_DIR") or Path.home() / ".tpuray" / "emulator"
+        path = os.environ.get(STATE_DIR_ENV) or Path.home() / ".tpuray" / "emulator"
     return Path(path)
 
 
@@ -70,7 +73,7 @@ def up(
 
     SliceRequest(accelerator_type, topology, num_slices)  # validate before starting anything
     if head_cpus < 0 or cpus_per_chip < 1:
-        raise ValueError(f"head_cpus must be >= 0 and cpus_per_chip >= 1, got {head_cpus}, {cpus_per_chip}")
+        raise ConfigError(f"head_cpus must be >= 0 and cpus_per_chip >= 1, got {head_cpus}, {cpus_per_chip}")
     directory = state_dir(path)
     running = read_state(directory)
     if running:

@@ -9,17 +9,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tpuray.constants import (
+    ACCELERATOR_LABEL,
+    EMULATED_LABEL,
+    EMULATION_ENV,
+    POD_TYPE_LABEL,
+    SLICE_NAME_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_ACCELERATOR_TYPE_ENV,
+    TPU_NAME_ENV,
+    TPU_RESOURCE,
+    TPU_TOPOLOGY_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_WORKER_ID_ENV,
+    WORKER_ID_LABEL,
+    accelerator_resource,
+)
 from tpuray.topology import SliceTopology
-
-EMULATION_ENV = "TPURAY_EMULATION"
-EMULATED_LABEL = "tpuray.io/emulated"
-
-# Ray's node label keys (ray._raylet.RAY_NODE_TPU_*_KEY); spelled out so this module stays ray-free.
-SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
-WORKER_ID_LABEL = "ray.io/tpu-worker-id"
-TOPOLOGY_LABEL = "ray.io/tpu-topology"
-POD_TYPE_LABEL = "ray.io/tpu-pod-type"
-ACCELERATOR_LABEL = "ray.io/accelerator-type"
+from tpuray.validation import ConfigError
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
 
@@ -34,7 +41,7 @@ class SliceRequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
-            raise ValueError(f"SliceRequest count must be an integer >= 1, got {self.count!r}")
+            raise ConfigError(f"SliceRequest count must be an integer >= 1, got {self.count!r}")
         SliceTopology.parse(self.accelerator_type, self.topology)  # ValueError naming what is valid
 
     @property
@@ -95,7 +102,7 @@ def host_specs(
 ) -> list[HostSpec]:
     """Node specs for every host of one emulated slice, ordered by worker id."""
     if not _NAME_RE.match(slice_name):
-        raise ValueError(
+        raise ConfigError(
             f"slice name {slice_name!r} must be lowercase letters, digits and '-' (at most 42 characters)"
         )
     accel = topo.generation.accelerator_type
@@ -103,9 +110,9 @@ def host_specs(
     specs = []
     for worker_id in range(topo.num_hosts):
         resources: dict[str, float] = {
-            "TPU": float(topo.chips_per_host),
+            TPU_RESOURCE: float(topo.chips_per_host),
             slice_name: 1.0,
-            f"accelerator_type:{accel}": 1.0,
+            accelerator_resource(accel): 1.0,
         }
         if worker_id == 0:
             resources[topo.head_resource] = 1.0
@@ -118,12 +125,12 @@ def host_specs(
             EMULATED_LABEL: "true",
         }
         env = {
-            "TPU_NAME": slice_name,
-            "TPU_WORKER_ID": str(worker_id),
-            "TPU_WORKER_HOSTNAMES": hostnames,
+            TPU_NAME_ENV: slice_name,
+            TPU_WORKER_ID_ENV: str(worker_id),
+            TPU_WORKER_HOSTNAMES_ENV: hostnames,
             # GKE sets the pod type here ("v6e-16"); Ray derives accelerator_type and labels from it.
-            "TPU_ACCELERATOR_TYPE": topo.pod_type,
-            "TPU_TOPOLOGY": topo.topology,
+            TPU_ACCELERATOR_TYPE_ENV: topo.pod_type,
+            TPU_TOPOLOGY_ENV: topo.topology,
             EMULATION_ENV: "1",
         }
         specs.append(
@@ -149,9 +156,9 @@ def plan_slices(
 ) -> list[EmulatedSlice]:
     """Name every requested slice (`<prefix>-<pod type>-<i>`) and lay out its hosts."""
     if not requests:
-        raise ValueError("an emulated cluster needs at least one SliceRequest, got none")
+        raise ConfigError("an emulated cluster needs at least one SliceRequest, got none")
     if cpus_per_chip < 1:
-        raise ValueError(f"cpus_per_chip must be >= 1, got {cpus_per_chip}")
+        raise ConfigError(f"cpus_per_chip must be >= 1, got {cpus_per_chip}")
     slices: list[EmulatedSlice] = []
     index: dict[str, int] = {}
     for req in requests:

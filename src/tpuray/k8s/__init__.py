@@ -13,8 +13,8 @@ from tpuray.k8s.config import (
     GKE_ACCELERATOR_LABEL,
     GKE_TOPOLOGY_LABEL,
     GKE_TPU_ACCELERATORS,
+    GKE_TPU_RESOURCE,
     KINDS,
-    TPU_RESOURCE,
     K8sConfig,
     gke_accelerator,
 )
@@ -25,7 +25,7 @@ __all__ = [
     "GKE_TOPOLOGY_LABEL",
     "GKE_TPU_ACCELERATORS",
     "KINDS",
-    "TPU_RESOURCE",
+    "GKE_TPU_RESOURCE",
     "K8sConfig",
     "build_manifest",
     "gke_accelerator",

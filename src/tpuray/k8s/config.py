@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.topology import SliceTopology
+from tpuray.validation import ConfigError
 
 # Ray generation name (tpuray.topology Generation.name) -> GKE accelerator node label value.
 GKE_TPU_ACCELERATORS: dict[str, str] = {
@@ -24,7 +25,7 @@ GKE_TPU_ACCELERATORS: dict[str, str] = {
 }
 GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 GKE_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
-TPU_RESOURCE = "google.com/tpu"
+GKE_TPU_RESOURCE = "google.com/tpu"
 
 KINDS = ("RayCluster", "RayJob", "RayService")
 # KubeRay's limits (ray-operator/controllers/ray/utils/constant.go): RayCluster names <= 53 chars,
@@ -52,7 +53,7 @@ def gke_accelerator(topo: SliceTopology) -> str:
     """GKE's `cloud.google.com/gke-tpu-accelerator` value for the slice's generation."""
     name = topo.generation.name
     if name not in GKE_TPU_ACCELERATORS:
-        raise ValueError(
+        raise ConfigError(
             f"TPU {topo.generation.family} is not offered as a GKE node pool; "
             f"valid: {', '.join(GKE_TPU_ACCELERATORS)}"
         )
@@ -67,7 +68,7 @@ def normalize_kind(kind: str) -> str:
     for k in KINDS:
         if isinstance(kind, str) and kind.strip().lower() == k.lower():
             return k
-    raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(k.lower() for k in KINDS)}")
+    raise ConfigError(f"unknown kind {kind!r}; valid: {', '.join(k.lower() for k in KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -105,29 +106,29 @@ class K8sConfig:
         _set(self, "slice_topology", topo)
         _set(self, "kind", kind)
         if isinstance(self.num_slices, bool) or not isinstance(self.num_slices, int) or self.num_slices < 1:
-            raise ValueError(f"num_slices must be an integer >= 1, got {self.num_slices!r}")
+            raise ConfigError(f"num_slices must be an integer >= 1, got {self.num_slices!r}")
         if not self.ray_version:
             _set(self, "ray_version", default_ray_version())
         if not re.fullmatch(r"\d+\.\d+\.\d+\S*", self.ray_version):
-            raise ValueError(f"ray_version must look like 2.60.0, got {self.ray_version!r}")
+            raise ConfigError(f"ray_version must look like 2.60.0, got {self.ray_version!r}")
         if not self.image:
             _set(self, "image", f"rayproject/ray:{self.ray_version}-py311")
         if not isinstance(self.image, str) or re.search(r"\s", self.image):
-            raise ValueError(f"image must be a container image reference without spaces, got {self.image!r}")
+            raise ConfigError(f"image must be a container image reference without spaces, got {self.image!r}")
         if not self.name:
             _set(self, "name", f"tpuray-{topo.pod_type}")
         limit = MAX_NAME_LENGTH[kind]
         if not _DNS1035.match(self.name) or len(self.name) > limit:
-            raise ValueError(
+            raise ConfigError(
                 f"name {self.name!r} is not valid for a {kind}: use lower-case letters, digits and '-', "
                 f"starting with a letter, ending with a letter or digit, at most {limit} characters"
             )
         if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace):
-            raise ValueError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace name")
+            raise ConfigError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace name")
         for key in ("head_cpu", "head_memory", "worker_cpu", "worker_memory"):
             value = getattr(self, key)
             if not isinstance(value, str) or not _QUANTITY.match(value) or value.startswith("-"):
-                raise ValueError(
+                raise ConfigError(
                     f"{key}={value!r} is not a Kubernetes quantity; valid: e.g. '8', '500m', '32Gi'"
                 )
         self._check_kind_fields()
@@ -135,35 +136,35 @@ class K8sConfig:
     def _check_kind_fields(self) -> None:
         kind = self.kind
         if kind == "RayJob" and not (self.entrypoint and self.entrypoint.strip()):
-            raise ValueError("a RayJob needs an entrypoint, e.g. entrypoint='python train.py'")
+            raise ConfigError("a RayJob needs an entrypoint, e.g. entrypoint='python train.py'")
         if kind != "RayJob" and self.entrypoint:
-            raise ValueError(f"entrypoint is only used by kind RayJob, not {kind}")
+            raise ConfigError(f"entrypoint is only used by kind RayJob, not {kind}")
         if kind == "RayService":
             if self.serve_config is None and not self.model:
-                raise ValueError(
+                raise ConfigError(
                     "a RayService needs serve_config (a Ray Serve config or build_openai_app args) "
                     "or model (a model id or path to serve with tpuray.serve.llm)"
                 )
             if self.serve_config is not None:
                 sc = self.serve_config
                 if not isinstance(sc, Mapping) or not ("applications" in sc or "llm_configs" in sc):
-                    raise ValueError(
+                    raise ConfigError(
                         "serve_config must be a mapping with 'applications' (Ray Serve config) or "
                         f"'llm_configs' (build_openai_app args), got {type(sc).__name__} with keys "
                         f"{sorted(sc) if isinstance(sc, Mapping) else '-'}"
                     )
                 if "applications" in sc and self.runtime_env:
-                    raise ValueError(
+                    raise ConfigError(
                         "runtime_env is not applied to a full Ray Serve config; set runtime_env in its "
                         "applications instead"
                     )
                 self._check_serve_config(sc)
         elif self.serve_config is not None or self.model:
-            raise ValueError(f"serve_config / model are only used by kind RayService, not {kind}")
+            raise ConfigError(f"serve_config / model are only used by kind RayService, not {kind}")
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
-            raise ValueError(f"runtime_env must be a mapping, got {self.runtime_env!r}")
+            raise ConfigError(f"runtime_env must be a mapping, got {self.runtime_env!r}")
         if kind == "RayCluster" and self.runtime_env:
-            raise ValueError(
+            raise ConfigError(
                 "runtime_env is used by RayJob / RayService; a RayCluster's image must already contain "
                 "your dependencies"
             )
@@ -182,27 +183,27 @@ class K8sConfig:
 
         for c in args.get("llm_configs") or []:
             if not isinstance(c, Mapping):
-                raise ValueError(
+                raise ConfigError(
                     f"{where}: llm_configs entries must be inline mappings in a RayService (a file path "
                     f"would not exist in the pods), got {c!r}"
                 )
         try:
             parsed = LLMServingArgs(**args)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from e
+            raise ConfigError(f"{where}: {e}") from e
         topo, replicas = self.slice_topology, 0
         for c in parsed.llm_configs:
             if c.topology is None:
                 continue  # a CPU replica
             if c.topology.pod_type != topo.pod_type:
-                raise ValueError(
+                raise ConfigError(
                     f"{where}: model {c.model_id!r} asks for {c.topology.pod_type} ({c.topology.topology}) "
                     f"slices but this cluster has {topo.pod_type} ({topo.topology}) slices"
                 )
             n = c.deployment_config.get("num_replicas", 1)
             replicas += n if isinstance(n, int) else 1
         if replicas > self.num_slices:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: the TPU replicas need {replicas} slices (one each) but num_slices={self.num_slices}"
             )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from tpuray.k8s.config import GKE_ACCELERATOR_LABEL, GKE_TOPOLOGY_LABEL, TPU_RESOURCE, K8sConfig
+from tpuray.k8s.config import GKE_ACCELERATOR_LABEL, GKE_TOPOLOGY_LABEL, GKE_TPU_RESOURCE, K8sConfig
 
 API_VERSION = "ray.io/v1"
 HEAD_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001), ("serve", 8000))
@@ -62,7 +62,7 @@ def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
         "name": "ray-worker",
         "image": cfg.image,
         "imagePullPolicy": "IfNotPresent",
-        "resources": _resources(cfg.worker_cpu, cfg.worker_memory, {TPU_RESOURCE: chips}),
+        "resources": _resources(cfg.worker_cpu, cfg.worker_memory, {GKE_TPU_RESOURCE: chips}),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
     return {
@@ -89,7 +89,7 @@ def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
                     GKE_TOPOLOGY_LABEL: topo.topology,
                 },
                 # GKE taints TPU nodes; it usually adds this toleration itself.
-                "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+                "tolerations": [{"key": GKE_TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
                 "volumes": [_shm_volume()],
             },
         },

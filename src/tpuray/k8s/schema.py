@@ -26,13 +26,15 @@ from typing import Any
 
 import yaml
 
+from tpuray.constants import KUBERAY_CRDS_ENV
+
 CRD_FILES = {
     "RayCluster": "ray.io_rayclusters.yaml",
     "RayJob": "ray.io_rayjobs.yaml",
     "RayService": "ray.io_rayservices.yaml",
 }
 API_VERSION = "ray.io/v1"
-CRDS_ENV = "TPURAY_KUBERAY_CRDS"
+CRDS_ENV = KUBERAY_CRDS_ENV
 
 
 def crd_search_path() -> list[Path]:

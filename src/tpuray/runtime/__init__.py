@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 
+from tpuray.constants import EMULATION_ENV
+
 log = logging.getLogger("tpuray.runtime")
 
 _mode: str | None = None  # "emulated" | "real" once activated
@@ -41,7 +43,7 @@ def activate() -> str:
     blocked = emulation_blocked_reason()
     if blocked and "torch_tpu" in sys.modules:  # its kernels are loaded (autoload was on at import torch)
         raise RuntimeError(blocked)
-    os.environ["TPURAY_EMULATION"] = "1"
+    os.environ[EMULATION_ENV] = "1"
     _register_emulation()
     return "emulated"
 
@@ -60,7 +62,7 @@ def _activate_from_autoload() -> None:
         return
     blocked = emulation_blocked_reason()
     if blocked:  # torch_tpu's entry point loads its kernels in this same `import torch`
-        log.error("tpuray: TPURAY_EMULATION=1 but the tpu device is NOT emulated: %s", blocked)
+        log.error("tpuray: %s=1 but the tpu device is NOT emulated: %s", EMULATION_ENV, blocked)
         _register_stub(force=True)
         return
     _register_emulation()
@@ -111,5 +113,6 @@ def _register_emulation() -> None:
     _mode = "emulated"
     log.info(
         "tpuray: the 'tpu' device and 'tpu_dist' backend are EMULATED on CPU in this process "
-        "(TPURAY_EMULATION=1); no TPU hardware is used"
+        "(%s=1); no TPU hardware is used",
+        EMULATION_ENV,
     )

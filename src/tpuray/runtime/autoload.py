@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from tpuray.constants import EMULATION_ENV
+
 log = logging.getLogger("tpuray.runtime")
 
 
@@ -18,7 +20,7 @@ def autoload() -> None:
     try:
         from tpuray import runtime
 
-        if os.environ.get("TPURAY_EMULATION") == "1":
+        if os.environ.get(EMULATION_ENV) == "1":
             runtime._activate_from_autoload()
         else:
             runtime._register_stub()

@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 
-PROBE_ENV = "TPURAY_TORCH_TPU_USABLE"  # "1" / "0": the probe's answer, inherited from a parent process
+from tpuray.constants import EMULATION_ENV, TORCH_TPU_PROBE_ENV
+
+PROBE_ENV = TORCH_TPU_PROBE_ENV  # "1" / "0": the probe's answer, inherited from a parent process
 
 _PROBE = (
     "import torch, torch_tpu; import torch.distributed as dist; assert 'TPU_DIST' in dist.Backend._plugins"
@@ -44,7 +46,7 @@ def torch_tpu_usable(timeout_s: float = 120.0) -> bool:
     inherited = os.environ.get(PROBE_ENV)
     if inherited in ("0", "1"):
         return inherited == "1"
-    env = {k: v for k, v in os.environ.items() if k != "TPURAY_EMULATION"}
+    env = {k: v for k, v in os.environ.items() if k != EMULATION_ENV}
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _PROBE],

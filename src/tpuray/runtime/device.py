@@ -21,13 +21,10 @@ and AOTAutograd see through the wrapper, and inductor compiles CPU kernels for t
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
-
-log = logging.getLogger(__name__)
 
 DEVICE_TYPE = "tpu"
 aten = torch.ops.aten

@@ -18,12 +18,14 @@ import torch
 # torch.cpu's dummies have the cuda-style surface (FSDP2 uses Stream, stream(), record_event()).
 from torch.cpu import Event, Stream, StreamContext, current_stream, stream  # noqa: F401
 
+from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV, TPU_VISIBLE_CHIPS_ENV
+
 EMULATED = True
 _current = 0
 
 
 def _visible_chips() -> list[str]:
-    raw = os.environ.get("TPU_VISIBLE_CHIPS", "").strip()
+    raw = os.environ.get(TPU_VISIBLE_CHIPS_ENV, "").strip()
     return [c for c in raw.split(",") if c.strip()] if raw else []
 
 
@@ -96,7 +98,7 @@ def set_stream(s: Stream) -> None:
 
 
 def get_device_name(device: torch.device | str | int | None = None) -> str:
-    accel = os.environ.get("TPU_ACCELERATOR_TYPE", "TPU")
+    accel = os.environ.get(TPU_ACCELERATOR_TYPE_ENV, "TPU")
     return f"{accel} (emulated on CPU)"
 
 

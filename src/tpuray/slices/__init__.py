@@ -1,12 +1,23 @@
-"""Whole-slice TPU reservations on Ray placement groups, and the cluster's slice inventory."""
+"""Whole-slice TPU reservations on Ray placement groups, the cluster's slice inventory, and the per-chip
+worker group that training and serving share."""
 
+from tpuray.slices.distributed import RankInfo
 from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.slices.placement import SlicePlacementGroup, SliceReservationTimeout, slice_placement_group
+from tpuray.slices.worker import SliceWorker, WorkerPlacement
+from tpuray.slices.worker_group import PlacementError, SliceWorkerGroup, WorkerGroupSpec, assign_ranks
 
 __all__ = [
+    "PlacementError",
+    "RankInfo",
     "SliceInfo",
     "SlicePlacementGroup",
     "SliceReservationTimeout",
+    "SliceWorker",
+    "SliceWorkerGroup",
+    "WorkerGroupSpec",
+    "WorkerPlacement",
+    "assign_ranks",
     "format_slices",
     "list_slices",
     "slice_placement_group",

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
-WORKER_ID_LABEL = "ray.io/tpu-worker-id"
-TOPOLOGY_LABEL = "ray.io/tpu-topology"
-POD_TYPE_LABEL = "ray.io/tpu-pod-type"
-ACCELERATOR_LABEL = "ray.io/accelerator-type"
-EMULATED_LABEL = "tpuray.io/emulated"
+from tpuray.constants import (
+    ACCELERATOR_LABEL,
+    EMULATED_LABEL,
+    POD_TYPE_LABEL,
+    SLICE_NAME_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    WORKER_ID_LABEL,
+    head_resource,
+)
 
 
 @dataclass
@@ -59,7 +63,7 @@ def list_slices() -> list[SliceInfo]:
         labels = node.get("Labels") or {}
         resources = node.get("Resources") or {}
         name = labels.get(SLICE_NAME_LABEL)
-        if not node.get("Alive") or not name or not resources.get("TPU"):
+        if not node.get("Alive") or not name or not resources.get(TPU_RESOURCE):
             continue
         info = slices.get(name)
         if info is None:
@@ -77,11 +81,11 @@ def list_slices() -> list[SliceInfo]:
             slices[name] = info
         node_id = node["NodeID"]
         node_avail = avail.get(node_id, resources)
-        info.chips += int(resources["TPU"])
-        info.free_chips += int(node_avail.get("TPU", 0))
+        info.chips += int(resources[TPU_RESOURCE])
+        info.free_chips += int(node_avail.get(TPU_RESOURCE, 0))
         worker_id = int(labels.get(WORKER_ID_LABEL, "0") or 0)
         workers.setdefault(name, []).append((worker_id, node_id))
-        head = f"TPU-{info.pod_type}-head"
+        head = head_resource(info.pod_type)
         if worker_id == 0 and resources.get(head):
             info.head_free = node_avail.get(head, 0) >= 1
     for name, info in slices.items():

@@ -16,41 +16,43 @@ import logging
 import time
 from typing import Any
 
-from tpuray.slices.inventory import (
+from tpuray.constants import (
+    PLACEMENT_STRATEGIES,
     POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
+    TPU_RESOURCE,
     WORKER_ID_LABEL,
-    format_slices,
-    list_slices,
 )
+from tpuray.slices.inventory import format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
+from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
 
 logger = logging.getLogger(__name__)
-
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-TPU_SHARES = (1, 2, 4, 8)
 
 
 class SliceReservationTimeout(TimeoutError):
     """No free slice(s) within the timeout. Nothing stays reserved."""
 
 
-def _validate_bundle(resources_per_bundle: dict[str, float] | None, chips_per_host: int) -> dict[str, float]:
+def _validate_bundle(resources_per_bundle: dict[str, float] | None, topo: SliceTopology) -> dict[str, float]:
+    """The bundle of one host (or chip share): CPU 1 and the host's chips unless given."""
+    chips_per_host = topo.chips_per_host
     if resources_per_bundle is None:
-        return {"CPU": 1.0, "TPU": float(chips_per_host)}
+        return {"CPU": 1.0, TPU_RESOURCE: float(chips_per_host)}
     if not isinstance(resources_per_bundle, dict) or not resources_per_bundle:
-        raise ValueError(f"resources_per_bundle must be a non-empty dict, got {resources_per_bundle!r}")
+        raise ConfigError(f"resources_per_bundle must be a non-empty dict, got {resources_per_bundle!r}")
     for key, value in resources_per_bundle.items():
-        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"resources_per_bundle[{key!r}]={value!r} must be a number >= 0")
+        if not is_number(value) or value < 0:
+            raise ConfigError(f"resources_per_bundle[{key!r}]={value!r} must be a number >= 0")
     bundle = {k: float(v) for k, v in resources_per_bundle.items()}
     bundle.setdefault("CPU", 1.0)
-    bundle.setdefault("TPU", float(chips_per_host))
-    tpu = bundle["TPU"]
-    if tpu not in TPU_SHARES or chips_per_host % int(tpu):
-        valid = [s for s in TPU_SHARES if s <= chips_per_host and chips_per_host % s == 0]
-        raise ValueError(
-            f"resources_per_bundle TPU={tpu:g} must divide the {chips_per_host} chips of a host; valid: {valid}"
+    bundle.setdefault(TPU_RESOURCE, float(chips_per_host))
+    tpu = bundle[TPU_RESOURCE]
+    if tpu != int(tpu) or int(tpu) not in topo.process_shares():
+        valid = list(topo.process_shares())
+        raise ConfigError(
+            f"resources_per_bundle TPU={tpu:g} must be a chip share of the {chips_per_host}-chip hosts of "
+            f"{topo.pod_type}; valid: {valid}"
         )
     return bundle
 
@@ -78,27 +80,25 @@ class SlicePlacementGroup:
         self._generation = get_generation(accelerator_version)
         self._topology = SliceTopology.parse(self._generation.accelerator_type, topology)
         topo = self._topology
-        if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
-            raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
+        check_positive_int("num_slices", num_slices)
         if chips_per_vm is not None and chips_per_vm != topo.chips_per_host:
-            raise ValueError(
+            raise ConfigError(
                 f"chips_per_vm={chips_per_vm!r} does not match {topo.pod_type} ({topo.topology}), which has "
                 f"{topo.chips_per_host} chips per host"
             )
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is not valid; valid: {list(STRATEGIES)}")
+        check_choice("strategy", strategy, PLACEMENT_STRATEGIES)
         if lifetime not in (None, "detached"):
-            raise ValueError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
+            raise ConfigError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
         if head_reservation_timeout_s is not None:
             timeout_s = head_reservation_timeout_s
         if timeout_s is not None and (not isinstance(timeout_s, int | float) or timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a number > 0 or None (wait forever), got {timeout_s!r}")
-        self._bundle = _validate_bundle(resources_per_bundle, topo.chips_per_host)
-        self._bundles_per_host = topo.chips_per_host // int(self._bundle["TPU"])
+            raise ConfigError(f"timeout_s must be a number > 0 or None (wait forever), got {timeout_s!r}")
+        self._bundle = _validate_bundle(resources_per_bundle, topo)
+        self._bundles_per_host = topo.chips_per_host // int(self._bundle[TPU_RESOURCE])
         self._num_slices = num_slices
         self._bundles_per_slice = topo.num_hosts * self._bundles_per_host
         if bundle_label_selector is not None and len(bundle_label_selector) != self.num_bundles:
-            raise ValueError(
+            raise ConfigError(
                 f"bundle_label_selector has {len(bundle_label_selector)} entries; it must have one per "
                 f"bundle ({self.num_bundles})"
             )
@@ -246,11 +246,11 @@ class SlicePlacementGroup:
     def bundle_index(self, slice_index: int = 0, worker_id: int = 0, share: int = 0) -> int:
         """Bundle of chip share `share` on host `worker_id` of slice `slice_index`."""
         if not 0 <= slice_index < self._num_slices:
-            raise ValueError(f"slice_index {slice_index} out of range 0..{self._num_slices - 1}")
+            raise ConfigError(f"slice_index {slice_index} out of range 0..{self._num_slices - 1}")
         if not 0 <= worker_id < self._topology.num_hosts:
-            raise ValueError(f"worker_id {worker_id} out of range 0..{self._topology.num_hosts - 1}")
+            raise ConfigError(f"worker_id {worker_id} out of range 0..{self._topology.num_hosts - 1}")
         if not 0 <= share < self._bundles_per_host:
-            raise ValueError(f"share {share} out of range 0..{self._bundles_per_host - 1}")
+            raise ConfigError(f"share {share} out of range 0..{self._bundles_per_host - 1}")
         return slice_index * self._bundles_per_slice + worker_id * self._bundles_per_host + share
 
     def scheduling_strategy(self, bundle_index: int = -1) -> Any:

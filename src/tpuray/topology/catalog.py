@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tpuray.validation import ConfigError
+
 # Multi-host slices of every generation use 4-chip hosts (Ray: DEFAULT_TPU_NUM_CHIPS_PER_HOST).
 MULTI_HOST_CHIPS_PER_HOST = 4
 # Shapes smaller than one 4x4x4 cube that 3D generations accept (Ray's VALID_TPU_TOPOLOGY).
@@ -39,7 +41,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         if self.dims not in (2, 3):
-            raise ValueError(f"dims must be 2 or 3, got {self.dims}")
+            raise ConfigError(f"dims must be 2 or 3, got {self.dims}")
 
     def __repr__(self) -> str:
         return f"get_generation({self.accelerator_type!r})"
@@ -123,12 +125,12 @@ def get_generation(accelerator_type: str | Generation) -> Generation:
     if isinstance(accelerator_type, Generation):
         return accelerator_type
     if not isinstance(accelerator_type, str):
-        raise ValueError(
+        raise ConfigError(
             f"accelerator_type must be a string, got {accelerator_type!r}; valid: {known_accelerator_types()}"
         )
     gen = _lookup(accelerator_type)
     if gen is None:
-        raise ValueError(
+        raise ConfigError(
             f"unknown TPU accelerator type {accelerator_type!r}; valid: {known_accelerator_types()} "
             "(or v4, v5e/v5litepod, v5p, v6e, v7x/tpu7x)"
         )
@@ -147,14 +149,14 @@ def parse_topology(topology: str) -> tuple[int, ...]:
     """Parse "4x4" -> (4, 4) and "2x2x2" -> (2, 2, 2) (dims as written; not validated against a
     generation). Raises ValueError for anything else."""
     if not isinstance(topology, str):
-        raise ValueError(f"topology must be a string like '4x4' or '2x2x2', got {topology!r}")
+        raise ConfigError(f"topology must be a string like '4x4' or '2x2x2', got {topology!r}")
     m = _DIM_RE.match(topology)
     if not m:
-        raise ValueError(
+        raise ConfigError(
             f"malformed topology {topology!r}; expected AxB (v5e, v6e) or AxBxC (v4, v5p, v7x), "
             "e.g. '4x4' or '2x2x2'"
         )
     dims = tuple(int(g) for g in m.groups() if g is not None)
     if any(d < 1 for d in dims):
-        raise ValueError(f"malformed topology {topology!r}: every dimension must be >= 1")
+        raise ConfigError(f"malformed topology {topology!r}: every dimension must be >= 1")
     return dims

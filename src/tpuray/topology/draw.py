@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from tpuray.topology.slice import SliceTopology
+from tpuray.validation import ConfigError
 
 MAX_PANELS = 16  # z-planes drawn for large 3D slices
 MAX_LABELLED_CHIPS = 512  # rank numbers are written when the drawn planes hold at most this many chips
@@ -13,16 +14,17 @@ MAX_LABELLED_CHIPS = 512  # rank numbers are written when the drawn planes hold 
 
 def draw_mesh(topo: SliceTopology, path: str | Path, title: str | None = None) -> Path:
     """Write a PNG of the mesh: one panel per z-plane (rows: dim 0, columns: dim 1)."""
-    import matplotlib
+    from tpuray.optional import require
 
+    matplotlib = require("matplotlib", "plot", "tpuray plan --png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = Path(path)
     if path.suffix.lower() != ".png":
-        raise ValueError(f"--png file must end in .png, got {str(path)!r}")
+        raise ConfigError(f"--png file must end in .png, got {str(path)!r}")
     if not path.parent.exists():
-        raise ValueError(f"directory {str(path.parent)!r} of --png file does not exist")
+        raise ConfigError(f"directory {str(path.parent)!r} of --png file does not exist")
     a, b, c = topo.shape
     planes = min(c, MAX_PANELS)
     cols = min(planes, 4)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tpuray.topology.slice import Coords, SliceTopology
+from tpuray.validation import ConfigError
 
 DEFAULT_PROCESS_PORT = 8476  # libtpu TPU_PROCESS_PORT base (torch_xla's default)
 DEFAULT_SLICEBUILDER_PORT = 8070  # TorchTPU slice builder base port, + local rank
@@ -40,7 +41,7 @@ class _Shared:
 
 def _check_port(name: str, port: int, span: int) -> None:
     if type(port) is not int or not 1 <= port <= 65535 - span:
-        raise ValueError(f"{name}={port!r} out of range; valid: 1..{65535 - span}")
+        raise ConfigError(f"{name}={port!r} out of range; valid: 1..{65535 - span}")
 
 
 def _build_shared(
@@ -53,7 +54,7 @@ def _build_shared(
     share: Coords = topo.share_bounds(chips_per_process)  # ValueError lists valid shares
     hosts = list(hostnames) if hostnames is not None else default_hostnames(topo)
     if len(hosts) != topo.num_hosts or not all(isinstance(h, str) and h for h in hosts):
-        raise ValueError(
+        raise ConfigError(
             f"hostnames must list {topo.num_hosts} non-empty host name(s), one per worker of "
             f"{topo.pod_type} ({topo.topology}); got {hostnames!r}"
         )
@@ -147,7 +148,7 @@ def worker_env(
     shared = _shared_cached(topo, _hosts_key(hostnames), chips_per_process, port_base, slicebuilder_port_base)
     n = shared.num_hosts * shared.procs_per_host
     if type(rank) is not int or not 0 <= rank < n:
-        raise ValueError(
+        raise ConfigError(
             f"rank {rank!r} out of range for {n} process(es) of {chips_per_process} chip(s) on "
             f"{topo.pod_type}; valid: 0..{n - 1}"
         )
@@ -184,9 +185,9 @@ def multislice_env(
     """MEGASCALE_* variables for a multi-slice job (same names and default port as Ray's
     `get_tpu_coordinator_env_vars`)."""
     if not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices={num_slices!r} must be an integer >= 1")
+        raise ConfigError(f"num_slices={num_slices!r} must be an integer >= 1")
     if not isinstance(slice_id, int) or not 0 <= slice_id < num_slices:
-        raise ValueError(f"slice_id={slice_id!r} out of range; valid: 0..{num_slices - 1}")
+        raise ConfigError(f"slice_id={slice_id!r} out of range; valid: 0..{num_slices - 1}")
     _check_port("port", port, 0)
     return {
         "MEGASCALE_COORDINATOR_ADDRESS": coordinator_address,

@@ -13,6 +13,7 @@ from tpuray.topology.env import (
     worker_envs,
 )
 from tpuray.topology.slice import SliceTopology
+from tpuray.validation import ConfigError
 
 # Entries of worker_env that differ between processes of a slice; the rest is common.
 PER_PROCESS_KEYS = ("TPU_WORKER_ID", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID")
@@ -30,7 +31,7 @@ def slice_hostnames(topo: SliceTopology, num_slices: int, slice_id: int) -> list
 
 def _check_slices(num_slices: int) -> None:
     if not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices={num_slices!r} must be an integer >= 1")
+        raise ConfigError(f"num_slices={num_slices!r} must be an integer >= 1")
 
 
 def plan_dict(
@@ -47,7 +48,7 @@ def plan_dict(
     """
     _check_slices(num_slices)
     if hostnames is not None and len(hostnames) != num_slices:
-        raise ValueError(f"hostnames must hold one list per slice ({num_slices}), got {hostnames!r}")
+        raise ConfigError(f"hostnames must hold one list per slice ({num_slices}), got {hostnames!r}")
     gen = topo.generation
     nproc = num_processes(topo, chips_per_process)
     slices = []

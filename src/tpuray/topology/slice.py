@@ -13,11 +13,14 @@ Conventions (see docs/topology.md):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from tpuray.constants import head_resource
 from tpuray.topology.catalog import Generation, get_generation, parse_topology
+from tpuray.validation import ConfigError
 
 Coords = tuple[int, int, int]
 
@@ -71,12 +74,12 @@ class SliceTopology:
         dims = self.shape[: self.generation.dims]
         text = "x".join(map(str, dims))
         if len(self.shape) != 3 or not self.generation.is_valid_shape(dims):
-            raise ValueError(
+            raise ConfigError(
                 f"topology {text!r} is not valid for {self.generation.family}; "
                 f"valid: {self.generation.valid_topologies_text()}"
             )
         if self.generation.dims == 2 and self.shape[2] != 1:
-            raise ValueError(f"2D topology {text!r} must have shape (A, B, 1), got {self.shape}")
+            raise ConfigError(f"2D topology {text!r} must have shape (A, B, 1), got {self.shape}")
         object.__setattr__(self, "topology", text)
 
     @classmethod
@@ -87,7 +90,7 @@ class SliceTopology:
         text = "x".join(map(str, dims))
         if len(dims) != gen.dims or not gen.is_valid_shape(dims):
             kind = "AxB" if gen.dims == 2 else "AxBxC"
-            raise ValueError(
+            raise ConfigError(
                 f"topology {topology!r} is not valid for {gen.family} ({kind}); "
                 f"valid: {gen.valid_topologies_text()}"
             )
@@ -144,7 +147,7 @@ class SliceTopology:
     @property
     def head_resource(self) -> str:
         """Ray's custom resource on worker 0 of the slice: "TPU-v6e-16-head"."""
-        return f"TPU-{self.pod_type}-head"
+        return head_resource(self.pod_type)
 
     @property
     def wraparound(self) -> tuple[bool, bool, bool]:
@@ -161,6 +164,28 @@ class SliceTopology:
         cph, hs = self.chips_per_host, self.host_shape
         return tuple(s for s in PROCESS_SHARES if s <= cph and _share_bounds(s, hs) is not None)
 
+    def local_process(self, chips: Sequence[int]) -> int:
+        """Index, on its host, of the process driving local `chips` (the chips Ray assigned it).
+
+        The one rule for chip shares: n chips, n one of `process_shares()`, consecutive and starting at a
+        multiple of n. ValueError otherwise (e.g. chips 1,2 of a 4-chip host: libtpu cannot address them).
+        """
+        chips = sorted(chips)
+        n = len(chips)
+        if not chips or n not in self.process_shares():
+            valid = ", ".join(map(str, self.process_shares()))
+            raise ValueError(
+                f"chips {chips} are not a valid share of a {self.chips_per_host}-chip {self.pod_type} host; "
+                f"a process drives {valid} chip(s)"
+            )
+        first = chips[0]
+        if chips != list(range(first, first + n)) or first % n or chips[-1] >= self.chips_per_host:
+            raise ValueError(
+                f"chips {chips} are not an aligned share of a {self.chips_per_host}-chip {self.pod_type} "
+                f"host; valid {n}-chip shares are runs of {n} consecutive chips starting at a multiple of {n}"
+            )
+        return first // n
+
     def share_bounds(self, chips_per_process: int) -> Coords:
         """Bounds of the chip block one process drives (TPU_CHIPS_PER_PROCESS_BOUNDS)."""
         bounds = None
@@ -169,7 +194,7 @@ class SliceTopology:
             bounds = _share_bounds(chips_per_process, self.host_shape)
         if bounds is None:
             valid = ", ".join(map(str, self.process_shares()))
-            raise ValueError(
+            raise ConfigError(
                 f"chips_per_process={chips_per_process!r} does not tile a {self.chips_per_host}-chip "
                 f"host of {self.pod_type} ({self.topology}); valid: {valid}"
             )
@@ -194,7 +219,7 @@ class SliceTopology:
         """Inverse of the layout: the rank driving the chip at `coords`."""
         coords = tuple(coords)  # type: ignore[assignment]
         if len(coords) != 3 or any(not 0 <= c < s for c, s in zip(coords, self.shape, strict=True)):
-            raise ValueError(f"coords {coords!r} outside slice shape {self.shape}")
+            raise ConfigError(f"coords {coords!r} outside slice shape {self.shape}")
         (x, y, z), (sx, sy, sz) = coords, self.host_shape
         _, hb1, hb2 = self.host_bounds
         host = ((x // sx) * hb1 + y // sy) * hb2 + z // sz
@@ -264,4 +289,4 @@ class SliceTopology:
     @staticmethod
     def _check(what: str, value: int, n: int) -> None:
         if type(value) is not int or not 0 <= value < n:
-            raise ValueError(f"{what} {value!r} out of range; valid: 0..{n - 1}")
+            raise ConfigError(f"{what} {value!r} out of range; valid: 0..{n - 1}")

@@ -41,8 +41,10 @@ class Result:
 
     @property
     def metrics_dataframe(self):
-        import pandas as pd
+        """Every reported metrics dict as a pandas DataFrame (needs pandas: the `train` extra)."""
+        from tpuray.optional import require
 
+        pd = require("pandas", "train", "Result.metrics_dataframe")
         return pd.DataFrame(self.metrics_history)
 
     def __repr__(self) -> str:

@@ -17,13 +17,15 @@ from typing import Any
 
 import ray
 
+from tpuray.slices.distributed import RankInfo, device_type_for
+from tpuray.slices.worker_group import SliceWorkerGroup
 from tpuray.train import checkpoint as ckpt
-from tpuray.train.backend_setup import device_type_for
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
 from tpuray.train.progress import Progress
 from tpuray.train.result import Result, WorkerGroupError
 from tpuray.train.session import TrainContext
-from tpuray.train.worker_group import WorkerGroup, WorkerOutcome
+from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
+from tpuray.validation import ConfigError
 
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
@@ -115,7 +117,7 @@ class DataParallelTrainer:
         datasets: dict | None = None,
     ) -> None:
         if datasets:
-            raise ValueError(
+            raise ConfigError(
                 f"datasets={list(datasets)!r}: Ray Data datasets are not supported by tpuray.train; load data "
                 "in train_loop_per_worker and shard it with tpuray.train.torch.prepare_data_loader"
             )
@@ -199,8 +201,9 @@ class DataParallelTrainer:
 
     def _run_attempt(self, state: _RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
         sc, rc = self.scaling_config, self.run_config
-        group = WorkerGroup(sc)
+        group = SliceWorkerGroup(group_spec(sc), TrainWorker)
         t0 = time.perf_counter()
+        finished = False
         try:
             try:
                 group.start()
@@ -210,7 +213,7 @@ class DataParallelTrainer:
                 progress.title = progress.title + " (emulated TPU)"
             progress.start(attempt, len(state.history))
 
-            def make_context(rank) -> TrainContext:
+            def context(rank: RankInfo) -> TrainContext:
                 return TrainContext(
                     world_rank=rank.world_rank,
                     world_size=rank.world_size,
@@ -226,37 +229,43 @@ class DataParallelTrainer:
                     metadata=self.metadata,
                 )
 
-            setup_refs = group.setup(make_context, restored, state.base, backend, self.torch_config.timeout_s)
             t1 = time.perf_counter()
+            setup_refs = group.init_process_group(backend, self.torch_config.timeout_s)
+            setup_refs += group.call_each(
+                "start_session", [(context(m.rank), restored, state.base) for m in group.members]
+            )
             self._wait_all(group, setup_refs, state, progress)
             t2 = time.perf_counter()
             logger.info("tpuray.train: workers started in %.2fs, process group up in %.2fs", t1 - t0, t2 - t1)
-            run_refs = group.run(self._fn_ref(), self.train_loop_config)
+            run_refs = group.call("run", self._fn_ref(), self.train_loop_config)
             outcomes = self._wait_all(group, run_refs, state, progress)
             self._collect(group, state, progress)
+            finished = True
             return outcomes[0].value if outcomes else None
         finally:
-            group.shutdown()
+            group.shutdown(graceful=finished)
 
     def _fn_ref(self):
         if not hasattr(self, "_fn_obj_ref"):
             self._fn_obj_ref = ray.put(self.train_loop_per_worker)
         return self._fn_obj_ref
 
-    def _wait_all(self, group: WorkerGroup, refs: list, state: _RunState, progress: Progress) -> list:
-        """Wait for one call on every worker while draining reports; raise on the first failure."""
-        rank_of = {ref: i for i, ref in enumerate(refs)}
+    def _wait_all(self, group: SliceWorkerGroup, refs: list, state: _RunState, progress: Progress) -> list:
+        """Wait for calls on the workers (refs in rank order, possibly several rounds) while draining
+        reports; raise on the first failure."""
+        index_of = {ref: i for i, ref in enumerate(refs)}
         outcomes: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             for ref in ready:
-                rank = rank_of[ref]
+                index = index_of[ref]
+                rank = index % group.world_size
                 try:
                     out = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise _WorkerDied(rank, exc) from exc
-                except ray.exceptions.RayTaskError as exc:  # setup() failed (e.g. process group init)
+                except ray.exceptions.RayTaskError as exc:  # set-up failed (e.g. process group init)
                     self._collect_quietly(group, state, progress)
                     self._check_peers_alive(group, rank, exc)
                     self._raise_user_error(state, {rank: exc.as_instanceof_cause()}, {rank: str(exc)})
@@ -264,13 +273,13 @@ class DataParallelTrainer:
                     self._collect_quietly(group, state, progress)
                     self._check_peers_alive(group, rank, out.error)
                     self._raise_user_error(state, {rank: out.error}, {rank: out.traceback})
-                outcomes[rank] = out
+                outcomes[index] = out
             self._collect(group, state, progress)
         return outcomes
 
-    def _collect(self, group: WorkerGroup, state: _RunState, progress: Progress) -> None:
+    def _collect(self, group: SliceWorkerGroup, state: _RunState, progress: Progress) -> None:
         try:
-            per_rank = group.drain()
+            per_rank = ray.get(group.call("drain"))
         except ray.exceptions.RayActorError as exc:
             raise _WorkerDied(None, exc) from exc
         for m, records in zip(group.members, per_rank, strict=True):
@@ -279,13 +288,13 @@ class DataParallelTrainer:
             self._prune_checkpoints(state)
             state.save(self.run_path)
 
-    def _collect_quietly(self, group: WorkerGroup, state: _RunState, progress: Progress) -> None:
+    def _collect_quietly(self, group: SliceWorkerGroup, state: _RunState, progress: Progress) -> None:
         try:
             self._collect(group, state, progress)
         except _WorkerDied:
             pass
 
-    def _check_peers_alive(self, group: WorkerGroup, rank: int, error: BaseException | None) -> None:
+    def _check_peers_alive(self, group: SliceWorkerGroup, rank: int, error: BaseException | None) -> None:
         """A worker error can be the echo of a peer's death (gloo/tpu_dist "connection closed by peer"):
         ping every worker; if one is dead or unresponsive, it is a worker failure (retried), not a user
         error. Ray may need a while to declare a killed host dead, hence the generous timeout."""

@@ -33,9 +33,9 @@ from tpuray.serve.llm.protocol import (
     model_card,
     now,
 )
+from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
-ERROR_KEY = "__tpuray_error__"
 
 api = FastAPI(title="tpuray OpenAI-compatible API")
 
@@ -63,26 +63,12 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _as_error(result: Any) -> OpenAIError | None:
-    if isinstance(result, dict) and ERROR_KEY in result:
-        return OpenAIError(**result[ERROR_KEY])
-    return None
-
-
-def _error_payload(e: OpenAIError) -> dict[str, Any]:
-    return {
-        ERROR_KEY: {
-            "message": e.message,
-            "status": e.status,
-            "type": e.type,
-            "param": e.param,
-            "code": e.code,
-        }
-    }
-
-
 class LLMServer:
-    """One model replica: the engine (and its TPU slice) plus OpenAI semantics."""
+    """One model replica: the engine (and its TPU slice) plus OpenAI semantics.
+
+    Request errors cross the Serve boundary as values: a method returns (a stream yields) the
+    OpenAIError instead of raising it, so a bad request costs no exception traceback in the replica log.
+    """
 
     def __init__(self, llm_config: LLMConfig):
         self.config = llm_config
@@ -111,22 +97,22 @@ class LLMServer:
             )
         return target
 
-    async def _call(self, what: str, method: str, req) -> dict[str, Any]:
+    async def _call(self, what: str, method: str, req) -> dict[str, Any] | OpenAIError:
         try:
             fn = getattr(self._need(what), method)
             if what == "embeddings":  # synchronous torch compute: keep the replica's event loop free
                 return await asyncio.to_thread(fn, req)
             return await fn(req)
         except OpenAIError as e:
-            return _error_payload(e)
+            return e
 
-    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | OpenAIError:
         return await self._call("completions", "completions", req)
 
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | OpenAIError:
         return await self._call("chat completions", "chat", req)
 
-    async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
+    async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any] | OpenAIError:
         return await self._call("embeddings", "create", req)
 
     async def _stream(self, what: str, method: str, req):
@@ -134,7 +120,7 @@ class LLMServer:
             async for chunk in getattr(self._need(what), method)(req):
                 yield chunk
         except OpenAIError as e:
-            yield _error_payload(e)
+            yield e
 
     async def completions_stream(self, req: CompletionRequest):
         async for chunk in self._stream("completions", "completions_stream", req):
@@ -228,7 +214,7 @@ class LLMRouter:
         if model_id is None and len(local) == 1:
             (model_id,) = local
         if model_id not in local:
-            raise ValueError(
+            raise ConfigError(
                 f"model {model_id!r} is not served in this replica; local models: {sorted(local)}"
             )
         return local[model_id].describe()
@@ -274,22 +260,20 @@ class LLMRouter:
     async def _respond(self, backend, method: str, req):
         if not getattr(req, "stream", False):
             result = await backend.call(method, req)
-            err = _as_error(result)
-            return error_response(err) if err else JSONResponse(result)
+            return error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
         gen = backend.stream(method, req)
         first = await gen.__anext__()
-        err = _as_error(first)
-        if err:
+        if isinstance(first, OpenAIError):
             await _close(gen)
-            return error_response(err)
+            return error_response(first)
 
         async def sse():
             try:
                 yield f"data: {json.dumps(first)}\n\n"
                 async for chunk in gen:
-                    err = _as_error(chunk)
-                    yield f"data: {json.dumps(err.body() if err else chunk)}\n\n"
-                    if err:
+                    failed = isinstance(chunk, OpenAIError)
+                    yield f"data: {json.dumps(chunk.body() if failed else chunk)}\n\n"
+                    if failed:
                         return
                 yield "data: [DONE]\n\n"
             finally:

@@ -10,9 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tpuray.constants import API_KEY_ENV
+from tpuray.validation import ConfigError, check_choice, check_positive_int
+
+if TYPE_CHECKING:
+    from tpuray.topology import SliceTopology
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,6 @@ IGNORED_ENGINE_KWARGS = {
     "distributed_executor_backend": "the embedded engine always uses Ray actors, one per chip",
     "tokenizer_mode": "the model directory's tokenizer is used",
 }
-API_KEY_ENV = "TPURAY_SERVE_API_KEY"
 
 
 @dataclass
@@ -54,11 +59,11 @@ class ModelLoadingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
-            raise ValueError(f"model_id must be a non-empty string, got {self.model_id!r}")
+            raise ConfigError(f"model_id must be a non-empty string, got {self.model_id!r}")
         for name in ("model_source", "tokenizer_source"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{name} must be a local path string, got {value!r}")
+                raise ConfigError(f"{name} must be a local path string, got {value!r}")
             if value is not None:
                 setattr(self, name, str(value))
 
@@ -72,7 +77,7 @@ def _as_model_loading_config(value: Any) -> ModelLoadingConfig:
         return value
     if isinstance(value, dict):
         return ModelLoadingConfig(**value)
-    raise ValueError(f"model_loading_config must be a ModelLoadingConfig or dict, got {value!r}")
+    raise ConfigError(f"model_loading_config must be a ModelLoadingConfig or dict, got {value!r}")
 
 
 @dataclass
@@ -88,17 +93,20 @@ class LLMConfig:
     deployment_config: dict[str, Any] = field(default_factory=dict)
     runtime_env: dict[str, Any] | None = None
     log_engine_metrics: bool = False
+    # Derived at construction (the user's dicts are copied, never rewritten):
+    topology: SliceTopology | None = field(init=False, default=None, repr=False)  # None: no TPU slice
+    chips_per_worker: int = field(init=False, default=1, repr=False)
+    tensor_parallel_size: int = field(init=False, default=1, repr=False)
 
     def __post_init__(self) -> None:
         self.model_loading_config = _as_model_loading_config(self.model_loading_config)
-        if self.llm_engine not in ENGINES:
-            raise ValueError(f"llm_engine={self.llm_engine!r} is not valid; valid: {', '.join(ENGINES)}")
+        check_choice("llm_engine", self.llm_engine, ENGINES)
         if not isinstance(self.engine_kwargs, dict):
-            raise ValueError(f"engine_kwargs must be a dict, got {self.engine_kwargs!r}")
+            raise ConfigError(f"engine_kwargs must be a dict, got {self.engine_kwargs!r}")
         self.engine_kwargs = dict(self.engine_kwargs)
         self.deployment_config = dict(self.deployment_config or {})
-        self.topology = None  # SliceTopology when the model runs on a TPU slice
-        self.chips_per_worker = 1
+        if self.placement_group_config is not None:
+            self.placement_group_config = dict(self.placement_group_config)
         self._validate_accelerator()
         self._validate_engine_kwargs()
 
@@ -111,7 +119,7 @@ class LLMConfig:
             if not isinstance(self.accelerator_type, str) or not self.accelerator_type.upper().startswith(
                 "TPU"
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"accelerator_type={self.accelerator_type!r} is not supported by tpuray.serve.llm; "
                     "valid: a TPU type such as 'TPU-V6E', 'TPU-V5LITEPOD', 'TPU-V5P', 'TPU-V4', 'TPU-V7X', "
                     "or None for CPU"
@@ -119,57 +127,51 @@ class LLMConfig:
             get_generation(self.accelerator_type)  # ValueError names the bad value and the valid ones
         if acc is None:
             if self.accelerator_type is not None:
-                raise ValueError(
+                raise ConfigError(
                     f"accelerator_type={self.accelerator_type!r} needs accelerator_config="
                     "{'kind': 'tpu', 'topology': '<shape, e.g. 2x2 or 4x4>'}"
                 )
             return
         if not isinstance(acc, dict):
-            raise ValueError(
+            raise ConfigError(
                 f"accelerator_config must be a dict like {{'kind': 'tpu', 'topology': '4x4'}}, got {acc!r}"
             )
         kind = acc.get("kind")
         if kind != "tpu":
-            raise ValueError(f"accelerator_config kind={kind!r} is not supported; valid: 'tpu'")
+            raise ConfigError(f"accelerator_config kind={kind!r} is not supported; valid: 'tpu'")
         unknown = set(acc) - {"kind", "topology"}
         if unknown:
-            raise ValueError(f"unknown accelerator_config keys {sorted(unknown)}; valid: 'kind', 'topology'")
+            raise ConfigError(f"unknown accelerator_config keys {sorted(unknown)}; valid: 'kind', 'topology'")
         if self.accelerator_type is None:
-            raise ValueError("accelerator_config kind='tpu' needs accelerator_type, e.g. 'TPU-V6E'")
+            raise ConfigError("accelerator_config kind='tpu' needs accelerator_type, e.g. 'TPU-V6E'")
         if "topology" not in acc:
-            raise ValueError("accelerator_config needs 'topology', e.g. '2x2' or '4x4'")
+            raise ConfigError("accelerator_config needs 'topology', e.g. '2x2' or '4x4'")
         self.topology = SliceTopology.parse(self.accelerator_type, acc["topology"])
 
         pgc = self.placement_group_config or {"bundle_per_worker": {"TPU": 1}}
         if not isinstance(pgc, dict) or not isinstance(pgc.get("bundle_per_worker", {}), dict):
-            raise ValueError(
+            raise ConfigError(
                 f"placement_group_config must look like {{'bundle_per_worker': {{'TPU': 1}}}}, got {pgc!r}"
             )
         unknown = set(pgc) - {"bundle_per_worker"}
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown placement_group_config keys {sorted(unknown)}; valid: 'bundle_per_worker'"
             )
         bundle = pgc.get("bundle_per_worker", {"TPU": 1})
         chips = bundle.get("TPU", 1)
         shares = self.topology.process_shares()
         if not isinstance(chips, int) or isinstance(chips, bool) or chips not in shares:
-            raise ValueError(
+            raise ConfigError(
                 f"bundle_per_worker TPU={chips!r} is not valid on a {self.topology.chips_per_host}-chip "
                 f"{self.topology.generation.name} host; valid: {', '.join(map(str, shares))}"
             )
         self.chips_per_worker = chips
-        self.placement_group_config = {"bundle_per_worker": dict(bundle)}
 
     def _validate_engine_kwargs(self) -> None:
         kw = self.engine_kwargs
         chips = self.num_workers
-        tp = kw.get("tensor_parallel_size", chips)
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-        pp = kw.get("pipeline_parallel_size", 1)
-        if pp != 1:
-            raise ValueError(f"pipeline_parallel_size={pp!r} is not supported; valid: 1")
+        tp = check_positive_int("tensor_parallel_size", kw.get("tensor_parallel_size", chips))
         if tp != chips:
             where = (
                 f"{self.topology.topology} {self.topology.generation.name} slice reserves "
@@ -177,24 +179,29 @@ class LLMConfig:
                 if self.topology
                 else "no accelerator_config means one CPU worker"
             )
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel_size={tp} must equal the workers per replica: {where}; valid: {chips}"
             )
-        kw["tensor_parallel_size"] = tp
-        mml = kw.get("max_model_len")
-        if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 0):
-            raise ValueError(f"max_model_len must be a positive int, got {mml!r}")
-        mns = kw.get("max_num_seqs", 64)
-        if not isinstance(mns, int) or isinstance(mns, bool) or mns <= 0:
-            raise ValueError(f"max_num_seqs must be a positive int, got {mns!r}")
-        if kw.get("dtype", "auto") not in DTYPES:
-            raise ValueError(f"dtype={kw['dtype']!r} is not valid; valid: {', '.join(DTYPES)}")
-        if kw.get("task", "generate") not in TASKS:
-            raise ValueError(f"task={kw['task']!r} is not valid; valid: {', '.join(TASKS)}")
-        if self.llm_engine != "vLLM":
-            for key in sorted(set(kw) - EMBEDDED_ENGINE_KWARGS):
-                reason = IGNORED_ENGINE_KWARGS.get(key, "not used by the embedded engine (vLLM would use it)")
-                logger.info("engine_kwargs %s=%r accepted and ignored: %s", key, kw[key], reason)
+        self.tensor_parallel_size = tp
+        if kw.get("max_model_len") is not None:
+            check_positive_int("max_model_len", kw["max_model_len"])
+        check_positive_int("max_num_seqs", kw.get("max_num_seqs", 1))
+        check_choice("task", kw.get("task", "generate"), TASKS)
+        if self.llm_engine != "vLLM":  # the embedded engine may run it: its own limits apply
+            self._validate_embedded_kwargs()
+
+    def _validate_embedded_kwargs(self) -> None:
+        kw = self.engine_kwargs
+        pp = kw.get("pipeline_parallel_size", 1)
+        if pp != 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={pp!r} is not supported by the embedded engine; valid: 1 "
+                "(use llm_engine='vLLM' for pipeline parallelism)"
+            )
+        check_choice("dtype", kw.get("dtype", "auto"), DTYPES)
+        for key in sorted(set(kw) - EMBEDDED_ENGINE_KWARGS):
+            reason = IGNORED_ENGINE_KWARGS.get(key, "not used by the embedded engine (vLLM would use it)")
+            logger.info("engine_kwargs %s=%r accepted and ignored: %s", key, kw[key], reason)
 
     # -- derived ---------------------------------------------------------------------------------------
     @property
@@ -209,10 +216,6 @@ class LLMConfig:
         return self.topology.num_chips // self.chips_per_worker
 
     @property
-    def tensor_parallel_size(self) -> int:
-        return self.engine_kwargs["tensor_parallel_size"]
-
-    @property
     def task(self) -> str:
         return self.engine_kwargs.get("task", "generate")
 
@@ -220,7 +223,7 @@ class LLMConfig:
         """The model must be a local directory with a config.json (there is no hub download)."""
         path = Path(self.model_loading_config.local_path).expanduser()
         if not (path / "config.json").is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"model {self.model_id!r}: model_source {str(path)!r} is not a local model directory with a "
                 "config.json; tpuray serves local checkpoints only (build one with "
                 "tpuray.models.build_tiny_causal_lm or save_pretrained)"
@@ -233,23 +236,23 @@ class LLMConfig:
         tp = self.tensor_parallel_size
         if heads and (heads % tp or kv_heads % tp):
             valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel_size={tp} must divide num_attention_heads={heads} and "
                 f"num_key_value_heads={kv_heads} of {self.model_id!r}; valid: {valid}"
             )
         limit = cfg.get("max_position_embeddings")
         mml = self.engine_kwargs.get("max_model_len")
         if mml and limit and mml > limit:
-            raise ValueError(
+            raise ConfigError(
                 f"max_model_len={mml} exceeds the model's max_position_embeddings={limit}; valid: 1..{limit}"
             )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LLMConfig:
-        known = set(cls.__dataclass_fields__)
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown LLMConfig fields {sorted(unknown)}; valid: {sorted(known)}")
+            raise ConfigError(f"unknown LLMConfig fields {sorted(unknown)}; valid: {sorted(known)}")
         return cls(**data)
 
 
@@ -262,7 +265,7 @@ def _as_llm_config(value: Any) -> LLMConfig:
         import yaml
 
         return LLMConfig.from_dict(yaml.safe_load(Path(value).read_text()))
-    raise ValueError(f"llm_configs entries must be LLMConfig, dict or a YAML path, got {value!r}")
+    raise ConfigError(f"llm_configs entries must be LLMConfig, dict or a YAML path, got {value!r}")
 
 
 @dataclass
@@ -284,18 +287,20 @@ class LLMServingArgs:
 
     def __post_init__(self) -> None:
         if not isinstance(self.llm_configs, (list, tuple)) or not self.llm_configs:
-            raise ValueError(f"llm_configs must be a non-empty list of LLMConfig, got {self.llm_configs!r}")
+            raise ConfigError(f"llm_configs must be a non-empty list of LLMConfig, got {self.llm_configs!r}")
         self.llm_configs = [_as_llm_config(c) for c in self.llm_configs]
         ids = [c.model_id for c in self.llm_configs]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
-            raise ValueError(f"model_id values must be unique; duplicated: {dupes}")
+            raise ConfigError(f"model_id values must be unique; duplicated: {dupes}")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.single_deployment not in (None, True, False):
-            raise ValueError(f"single_deployment must be true, false or null, got {self.single_deployment!r}")
+            raise ConfigError(
+                f"single_deployment must be true, false or null, got {self.single_deployment!r}"
+            )
         if self.single_deployment and (len(self.llm_configs) != 1 or self.ingress_deployment_config):
-            raise ValueError(
+            raise ConfigError(
                 f"single_deployment=True needs exactly one model and no ingress_deployment_config; got "
                 f"{len(self.llm_configs)} model(s) and ingress_deployment_config="
                 f"{self.ingress_deployment_config!r}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine import create_engine
@@ -23,6 +23,26 @@ from tpuray.serve.llm.protocol import (
     now,
     usage,
 )
+
+
+class Job(NamedTuple):
+    """One choice to generate: choice `index`, prompt ids, sampling, the seed stream index, echoed text."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed_index: int
+    echo: str = ""
+
+
+class Choice(NamedTuple):
+    """One generated choice (non-streamed)."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    prompt_tokens: int
 
 
 class ModelServer:
@@ -57,9 +77,7 @@ class ModelServer:
             max_tokens = min(default_max or mml, mml - prompt_len)
         return SamplingParams(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed)
 
-    def _completion_jobs(
-        self, req: CompletionRequest
-    ) -> list[tuple[int, list[int], SamplingParams, int, str]]:
+    def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
         jobs = []
         prompts = req.prompts()
         if not prompts:
@@ -75,16 +93,16 @@ class ModelServer:
                 (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if req.echo else ""
             )
             for i in range(req.n):
-                jobs.append((p_idx * req.n + i, ids, params, i, echo))
+                jobs.append(Job(p_idx * req.n + i, ids, params, i, echo))
         return jobs
 
-    def _chat_jobs(self, req: ChatCompletionRequest) -> list[tuple[int, list[int], SamplingParams, int, str]]:
+    def _chat_jobs(self, req: ChatCompletionRequest) -> list[Job]:
         messages = [
             {"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages
         ]
         ids = self.engine.apply_chat_template(messages)
         params = self._params(req, len(ids), "messages", None)
-        return [(i, ids, params, i, "") for i in range(req.n)]
+        return [Job(i, ids, params, i) for i in range(req.n)]
 
     def _check_model(self, req) -> None:
         if req.model != self.model_id:
@@ -93,29 +111,25 @@ class ModelServer:
             )
 
     # -- non-streamed -------------------------------------------------------------------------------------
-    async def _run_all(self, jobs) -> tuple[list[dict], int, int]:
-        async def run(job):
-            index, ids, params, seed_index, echo = job
-            text, reason, n_out = echo, None, 0
-            async for out in self.engine.generate(ids, params, seed_index):
+    async def _run_all(self, jobs: list[Job]) -> tuple[list[Choice], int, int]:
+        async def run(job: Job) -> Choice:
+            text, reason, n_out = job.echo, None, 0
+            async for out in self.engine.generate(job.prompt_ids, job.params, job.seed_index):
                 text += out.text
                 reason, n_out = out.finish_reason, out.completion_tokens
-            return index, text, reason, n_out, len(ids)
+            return Choice(job.index, text, reason, n_out, len(job.prompt_ids))
 
         results = await asyncio.gather(*(run(j) for j in jobs))
-        prompt_tokens = 0
-        seen: set[int] = set()
-        for job, r in zip(jobs, results, strict=True):
-            if id(job[1]) not in seen:  # count each distinct prompt once, like OpenAI with n > 1
-                seen.add(id(job[1]))
-                prompt_tokens += r[4]
-        completion_tokens = sum(r[3] for r in results)
-        return sorted(results), prompt_tokens, completion_tokens
+        completion_tokens = sum(c.completion_tokens for c in results)
+        return sorted(results), _prompt_tokens(jobs), completion_tokens
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self._check_model(req)
         results, pt, ct = await self._run_all(self._completion_jobs(req))
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, t, f, _, _ in results]
+        choices = [
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            for c in results
+        ]
         return {
             "id": new_id("cmpl"),
             "object": "text_completion",
@@ -129,8 +143,13 @@ class ModelServer:
         self._check_model(req)
         results, pt, ct = await self._run_all(self._chat_jobs(req))
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-            for i, t, f, _, _ in results
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in results
         ]
         return {
             "id": new_id("chatcmpl"),
@@ -142,17 +161,16 @@ class ModelServer:
         }
 
     # -- streamed -----------------------------------------------------------------------------------------
-    async def _stream_all(self, jobs) -> AsyncIterator[tuple[int, Any]]:
+    async def _stream_all(self, jobs: list[Job]) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, SeqOutput) from all jobs as they arrive; (-1, (prompt, completion)) at the end."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(job):
-            index, ids, params, seed_index, _ = job
+        async def pump(job: Job) -> None:
             try:
-                async for out in self.engine.generate(ids, params, seed_index):
-                    await queue.put((index, out))
+                async for out in self.engine.generate(job.prompt_ids, job.params, job.seed_index):
+                    await queue.put((job.index, out))
             except Exception as e:
-                await queue.put((index, e))
+                await queue.put((job.index, e))
 
         tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
         done, completion = 0, 0
@@ -168,8 +186,7 @@ class ModelServer:
         finally:
             for t in tasks:
                 t.cancel()
-        prompt = sum(len(ids) for ids in {id(j[1]): j[1] for j in jobs}.values())
-        yield -1, (prompt, completion)
+        yield -1, (_prompt_tokens(jobs), completion)
 
     async def completions_stream(self, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
@@ -184,7 +201,7 @@ class ModelServer:
             text = out.text
             if index not in echoed:
                 echoed.add(index)
-                text = jobs[index][4] + text
+                text = jobs[index].echo + text
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
             yield {**base, "choices": [choice]}
 
@@ -211,3 +228,8 @@ class ModelServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _prompt_tokens(jobs: list[Job]) -> int:
+    """Prompt tokens of a request: each distinct prompt counted once, like OpenAI with n > 1."""
+    return sum(len(ids) for ids in {id(j.prompt_ids): j.prompt_ids for j in jobs}.values())

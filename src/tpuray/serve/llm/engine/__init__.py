@@ -8,12 +8,10 @@ Both expose the same small interface used by `tpuray.serve.llm.server.ModelServe
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig
-
-logger = logging.getLogger(__name__)
+from tpuray.validation import ConfigError
 
 
 def vllm_available() -> bool:
@@ -23,7 +21,7 @@ def vllm_available() -> bool:
 def create_engine(config: LLMConfig, **options: Any):
     if config.llm_engine == "vLLM" or (config.llm_engine == "auto" and vllm_available()):
         if not vllm_available():
-            raise ValueError("llm_engine='vLLM' but vllm is not installed; valid here: 'auto', 'embedded'")
+            raise ConfigError("llm_engine='vLLM' but vllm is not installed; valid here: 'auto', 'embedded'")
         from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine(config, **options)

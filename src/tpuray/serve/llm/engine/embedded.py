@@ -1,9 +1,9 @@
 """The embedded engine: PyTorch + transformers, tensor parallel over the slice's chips, continuous batching.
 
 Without an accelerator_config the model runs in this process (one CPU "worker"). With a TPU slice the
-engine reserves one `SlicePlacementGroup`, starts one `EngineWorker` actor per chip share on it (rank
-order = slice rank from tpuray.isolation), forms a `tpu_dist` process group across them and drives one
-step at a time from an asyncio loop. `shutdown()` kills the workers and releases the slice.
+engine starts a `tpuray.slices.SliceWorkerGroup` of `EngineWorker`s (one per chip share, ranked by slice
+position, joined by a `tpu_dist` process group) and drives one step at a time from an asyncio loop.
+`shutdown()` stops the workers and releases the slice; `generate` after it raises EngineShutDownError.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tpuray.serve.llm.engine.prompts import PromptEncoder
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.engine.scheduler import Scheduler, SeqOutput, Sequence
 from tpuray.serve.llm.engine.worker import EngineWorker, ModelRunner
+from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ def _eos_ids(path: Path, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+class EngineShutDownError(RuntimeError):
+    """A request reached an engine after `shutdown()`."""
 
 
 class EmbeddedEngine(PromptEncoder):
@@ -58,9 +63,9 @@ class EmbeddedEngine(PromptEncoder):
         self.scheduler = Scheduler(
             self.tokenizer, _eos_ids(path, self.tokenizer), self.max_num_seqs, self.max_model_len
         )
-        self.spg = None
-        self.workers: list[Any] = []
+        self.group: SliceWorkerGroup | None = None
         self.runner: ModelRunner | None = None
+        self.closed = False
         self.worker_info: list[dict] = []
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -85,50 +90,24 @@ class EmbeddedEngine(PromptEncoder):
         import ray
 
         cfg = self.config
-        actor_cls = ray.remote(EngineWorker)
-        chips = cfg.chips_per_worker
-        if cfg.topology is not None:
-            from tpuray.slices import SlicePlacementGroup
-
-            topo = cfg.topology
-            self.spg = SlicePlacementGroup(
-                topology=topo.topology,
-                accelerator_version=topo.generation.name,
-                resources_per_bundle={"TPU": chips, "CPU": 1},
-                timeout_s=timeout_s,
-            )
-            per_host = topo.chips_per_host // chips
-            strategies = [
-                self.spg.scheduling_strategy(self.spg.bundle_index(0, host, share))
-                for host in range(topo.num_hosts)
-                for share in range(per_host)
-            ]
-            opts = [dict(num_cpus=1, resources={"TPU": chips}, scheduling_strategy=s) for s in strategies]
-        else:  # one worker actor without a slice (benchmarks: same Ray step path as the TP engine)
-            opts = [dict(num_cpus=1)]
-        self.workers = [actor_cls.options(**o, runtime_env=cfg.runtime_env).remote() for o in opts]
-        infos = ray.get([w.describe.remote() for w in self.workers])
-        order = sorted(range(len(infos)), key=lambda i: infos[i].get("rank", i))
-        self.workers = [self.workers[i] for i in order]
-        infos = [infos[i] for i in order]
-        world = len(self.workers)
-        master = None
-        if world > 1:
-            master = (infos[0]["node_ip"], ray.get(self.workers[0].free_port.remote()))
-        setups = []
-        for rank, (w, info) in enumerate(zip(self.workers, infos, strict=True)):
-            env = dict(info.get("env", {}))
-            if "local_rank" in info:
-                env["LOCAL_RANK"] = str(info["local_rank"])
-            setups.append(w.setup.remote(path, rank, world, master, env, kwargs))
-        self.worker_info = ray.get(setups)
-        emulated = any(w.get("emulated") for w in self.worker_info)
+        spec = WorkerGroupSpec(
+            num_workers=cfg.num_workers,
+            topology=cfg.topology,
+            chips_per_worker=cfg.chips_per_worker,
+            num_cpus=1,
+            reserve_timeout_s=timeout_s,
+            runtime_env=cfg.runtime_env,
+        )
+        # Without a slice: one CPU worker actor (benchmarks: the same Ray step path as the TP engine).
+        self.group = SliceWorkerGroup(spec, EngineWorker).start()
+        backend = "tpu_dist" if cfg.topology is not None else ("gloo" if spec.num_workers > 1 else None)
+        ray.get(self.group.init_process_group(backend, timeout_s))
+        self.worker_info = ray.get(self.group.call("load", path, kwargs))
         logger.info(
-            "%s: embedded engine, tensor_parallel_size=%d on %s%s; workers %s",
+            "%s: embedded engine, tensor_parallel_size=%d on %r; workers %s",
             cfg.model_id,
-            world,
-            repr(self.spg) if self.spg else "one worker",
-            " (EMULATED TPU chips on CPU)" if emulated else "",
+            self.group.world_size,
+            self.group,
             self.worker_info,
         )
 
@@ -137,18 +116,18 @@ class EmbeddedEngine(PromptEncoder):
         return {
             "engine": "embedded",
             "model": self.config.model_id,
-            "tensor_parallel_size": max(1, len(self.workers)),
+            "tensor_parallel_size": self.group.world_size if self.group else 1,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "workers": self.worker_info,
-            "slice": repr(self.spg) if self.spg else None,
+            "slice": repr(self.group) if self.group else None,
             "emulated": emulated,
         }
 
     async def _step(self, batch) -> torch.Tensor:
         if self.runner is not None:
             return await asyncio.to_thread(self.runner.step, batch)
-        results = await asyncio.gather(*[w.step.remote(batch) for w in self.workers])
+        results = await asyncio.gather(*self.group.call("step", batch))
         return results[0]
 
     # -- loop ---------------------------------------------------------------------------------------------
@@ -184,8 +163,8 @@ class EmbeddedEngine(PromptEncoder):
         self, prompt_ids: list[int], params: SamplingParams, index: int = 0
     ) -> AsyncIterator[SeqOutput]:
         """Stream the outputs of one sequence; closing the iterator aborts it."""
-        if self.error is not None and not self.workers and self.runner is None:
-            raise RuntimeError("engine is shut down")
+        if self.closed:
+            raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
         self._ensure_loop()
         seq = Sequence(list(prompt_ids), params, params.generator(index), asyncio.Queue())
         self.scheduler.add(seq)
@@ -202,18 +181,12 @@ class EmbeddedEngine(PromptEncoder):
             self.scheduler.abort(seq)
 
     def shutdown(self) -> None:
-        import ray
-
+        """Stop the step loop, the workers and the slice reservation. Idempotent."""
+        self.closed = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             self._loop_task = None
-        workers, self.workers = self.workers, []
-        for w in workers:
-            try:
-                ray.kill(w)
-            except Exception:
-                logger.exception("failed to kill engine worker")
-        if self.spg is not None:
-            self.spg.shutdown()
-            self.spg = None
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()
         self.runner = None

@@ -24,6 +24,7 @@ class VLLMEngine(PromptEncoder):
         self.config = config
         path = config.model_loading_config.local_path
         kwargs = {k: v for k, v in config.engine_kwargs.items() if k != "task"}
+        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_loading_config.tokenizer_source or path)
         self.max_model_len = kwargs.get("max_model_len") or self.tokenizer.model_max_length

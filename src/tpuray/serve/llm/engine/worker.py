@@ -1,4 +1,5 @@
-"""Model execution: `ModelRunner` (one shard + its KV cache) and `EngineWorker`, the per-chip Ray actor.
+"""Model execution: `ModelRunner` (one shard + its KV cache) and `EngineWorker`, the per-chip Ray actor
+(a `tpuray.slices.SliceWorker`).
 
 A step is a list of `(slot, new_token_ids, start_position)`; prompts (several tokens) and decodes (one
 token) run as two batched forwards. Every rank runs the same step (the all_reduces pair up); rank 0
@@ -9,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-from typing import Any
 
 import torch
 
+from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV
 from tpuray.serve.llm.engine.model import ShardedLlama
+from tpuray.slices.worker import SliceWorker
 
 logger = logging.getLogger(__name__)
 
@@ -71,60 +72,27 @@ class ModelRunner:
         return self.cache.nbytes
 
 
-class EngineWorker:
-    """Ray actor body (wrapped with `ray.remote` by the engine): one tensor-parallel rank on one chip."""
+class EngineWorker(SliceWorker):
+    """One tensor-parallel rank on one chip share: a Ray actor started by `SliceWorkerGroup`, which has
+    already installed its process env (RANK, WORLD_SIZE, TPU env) and process group."""
 
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
 
-    def describe(self) -> dict[str, Any]:
-        """Where Ray placed this worker: node ip, its slice rank and TPU process env (from tpuray.isolation)."""
-        import ray
+    def load(self, path: str, engine_kwargs: dict) -> dict:
+        """Load this rank's shard of the model; returns where it runs."""
+        import torch.distributed as dist
 
-        info: dict[str, Any] = {"node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
-        if os.environ.get("TPU_ACCELERATOR_TYPE"):
-            from tpuray.isolation import process_env
+        from tpuray.runtime import is_emulated
 
-            env = process_env()
-            info.update(
-                env=env,
-                rank=int(env["CLOUD_TPU_TASK_ID"]),
-                local_rank=int(env["TPU_VISIBLE_CHIPS"].split(",")[0]),
-            )
-        return info
-
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
-    def setup(
-        self,
-        path: str,
-        rank: int,
-        world_size: int,
-        master: tuple[str, int] | None,
-        env: dict,
-        engine_kwargs: dict,
-    ) -> dict:
-        os.environ.update(env)
         device = "cpu"
-        all_reduce = None
-        if os.environ.get("TPU_ACCELERATOR_TYPE"):
+        if os.environ.get(TPU_ACCELERATOR_TYPE_ENV):  # a TPU host, real or emulated
             from tpuray.runtime import activate
 
             mode = activate()
             device = "tpu"
-            logger.info("engine worker rank %d/%d on tpu (%s)", rank, world_size, mode)
-        if world_size > 1:
-            import torch.distributed as dist
-
-            os.environ.update(
-                RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1])
-            )
-            backend = "tpu_dist" if device == "tpu" else "gloo"
-            dist.init_process_group(backend=backend)
-            all_reduce = dist.all_reduce
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.runner = ModelRunner(
             path,
             max_num_seqs=engine_kwargs["max_num_seqs"],
@@ -133,10 +101,10 @@ class EngineWorker:
             rank=rank,
             world_size=world_size,
             device=device,
-            all_reduce=all_reduce,
+            all_reduce=dist.all_reduce if world_size > 1 else None,
         )
-        from tpuray.runtime import is_emulated
-
+        if device == "tpu":
+            logger.info("engine worker rank %d/%d on tpu (%s)", rank, world_size, mode)
         return {
             "rank": rank,
             "device": str(self.runner.device),
@@ -146,9 +114,3 @@ class EngineWorker:
 
     def step(self, batch: Step) -> torch.Tensor | None:
         return self.runner.step(batch)
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

@@ -1,0 +1,7 @@
+"""`python -m tpuray`: the `tpuray` command line."""
+
+import sys
+
+from tpuray.cli import main
+
+sys.exit(main())

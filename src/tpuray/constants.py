@@ -1,0 +1,65 @@
+"""The names tpuray shares with Ray, GKE/KubeRay and its own processes: one place for each.
+
+Pure constants (no imports), so every layer, the topology model included, can use them. Ray's node label
+keys and resource names are spelled as Ray 2.60 spells them (`ray._raylet.RAY_NODE_TPU_*_KEY`,
+`ray/_private/accelerators/tpu.py`); they are not imported from Ray so that pure-Python modules stay
+Ray-free. Environment knobs that tpuray reads are listed in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+# -- Ray node labels of a TPU host (set by Ray from the host env; by the emulator on emulated hosts) -----
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+# tpuray's own labels: which nodes are emulated TPU hosts, and the emulated cluster's CPU head.
+EMULATED_LABEL = "tpuray.io/emulated"
+ROLE_LABEL = "tpuray.io/role"
+
+# -- Ray resources ---------------------------------------------------------------------------------------
+TPU_RESOURCE = "TPU"
+
+
+def head_resource(pod_type: str) -> str:
+    """The resource Ray puts on worker 0 of a slice: "TPU-v6e-16-head"."""
+    return f"TPU-{pod_type}-head"
+
+
+def accelerator_resource(accelerator_type: str) -> str:
+    """Ray's accelerator-type resource: "accelerator_type:TPU-V6E"."""
+    return f"accelerator_type:{accelerator_type}"
+
+
+# Ray placement group strategies.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+# -- TPU host environment (GKE/KubeRay's webhook or the TPU VM metadata; the emulator on emulated hosts) --
+TPU_NAME_ENV = "TPU_NAME"
+TPU_WORKER_ID_ENV = "TPU_WORKER_ID"
+TPU_WORKER_HOSTNAMES_ENV = "TPU_WORKER_HOSTNAMES"
+TPU_ACCELERATOR_TYPE_ENV = "TPU_ACCELERATOR_TYPE"
+TPU_TOPOLOGY_ENV = "TPU_TOPOLOGY"
+HOST_ENV = (
+    TPU_NAME_ENV,
+    TPU_WORKER_ID_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_ACCELERATOR_TYPE_ENV,
+    TPU_TOPOLOGY_ENV,
+)
+# Set by Ray per worker process holding {"TPU": n}.
+TPU_VISIBLE_CHIPS_ENV = "TPU_VISIBLE_CHIPS"
+# Ray's single-process sub-host bounds (1-2 chip shares): they describe an isolated 1-host slice.
+RAY_SUBHOST_BOUNDS_ENV = ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
+
+# -- tpuray's own environment variables ------------------------------------------------------------------
+EMULATION_ENV = "TPURAY_EMULATION"  # "1" on every emulated TPU host: the only switch that emulates
+TORCH_TPU_PROBE_ENV = "TPURAY_TORCH_TPU_USABLE"  # the emulator's torch_tpu probe result, for its hosts
+RESERVE_TIMEOUT_ENV = "TPURAY_TRAIN_RESERVE_TIMEOUT_S"
+QUIET_ENV = "TPURAY_QUIET"
+STORAGE_PATH_ENV = "TPURAY_STORAGE_PATH"
+API_KEY_ENV = "TPURAY_SERVE_API_KEY"
+STATE_DIR_ENV = "TPURAY_STATE_DIR"
+KUBERAY_CRDS_ENV = "TPURAY_KUBERAY_CRDS"
+DEMO_PORT_ENV = "TPURAY_DEMO_PORT"

@@ -1,0 +1,22 @@
+"""Optional dependencies: import them where a feature needs them, with an error that says how to get them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+class MissingDependency(ImportError):
+    """An optional package a feature needs is not installed (the message says how to install it)."""
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """`import module`, or MissingDependency naming the feature and the tpuray extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        raise MissingDependency(
+            f"{feature} needs the {top!r} package, which is not installed: pip install 'tpuray[{extra}]' "
+            f"(or pip install {top})"
+        ) from e

@@ -1,0 +1,118 @@
+"""Training workers: `TrainWorker` (the per-chip actor) and the worker-group spec a ScalingConfig asks for.
+
+Reservation, ranks, process env, the process group and teardown come from
+`tpuray.slices.SliceWorkerGroup`; this module adds what a training worker does: start the report session,
+run the training function while the driver drains its reports.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from tpuray.constants import RESERVE_TIMEOUT_ENV
+from tpuray.slices.worker import SliceWorker
+from tpuray.slices.worker_group import WorkerGroupSpec
+from tpuray.train.checkpoint import Checkpoint
+from tpuray.train.config import ScalingConfig
+from tpuray.train.session import TrainContext
+
+DEFAULT_RESERVE_TIMEOUT_S = 300.0
+
+
+def reserve_timeout_s() -> float:
+    """How long a training attempt waits for its slice(s) and workers ($TPURAY_TRAIN_RESERVE_TIMEOUT_S)."""
+    return float(os.environ.get(RESERVE_TIMEOUT_ENV, DEFAULT_RESERVE_TIMEOUT_S))
+
+
+def group_spec(scaling: ScalingConfig) -> WorkerGroupSpec:
+    """The worker group a ScalingConfig describes (TPU workers take no CPU unless asked)."""
+    res = scaling.worker_resources()
+    num_cpus = res.pop("CPU", 0)
+    num_gpus = res.pop("GPU", 0)
+    if scaling.use_tpu:
+        chips = int(res.pop("TPU"))
+        return WorkerGroupSpec(
+            num_workers=scaling.num_workers,
+            topology=scaling.slice_topology,
+            num_slices=scaling.num_slices or 1,
+            chips_per_worker=chips,
+            num_cpus=num_cpus,
+            resources=res,
+            reserve_timeout_s=reserve_timeout_s(),
+            max_concurrency=2,
+        )
+    return WorkerGroupSpec(
+        num_workers=scaling.num_workers,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        resources=res,
+        placement_strategy=scaling.placement_strategy,
+        reserve_timeout_s=reserve_timeout_s(),
+        max_concurrency=2,
+    )
+
+
+@dataclass
+class WorkerOutcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+
+class TrainWorker(SliceWorker):
+    """Runs the training function in one process (`run`) while the driver drains reports (`drain`)."""
+
+    def __init__(self) -> None:
+        import torch  # noqa: F401  (warm the import while the other workers start)
+
+    def start_session(self, context: TrainContext, checkpoint: Checkpoint | None, first_index: int) -> None:
+        import tpuray.train.torch  # noqa: F401  (so `tpuray.train.torch.get_device()` resolves in user code)
+        from tpuray.train import session
+
+        session._start(context, checkpoint, first_index)
+
+    def run(self, fn, config) -> WorkerOutcome:
+        from tpuray.train import session
+
+        rank = session._require("run").context.world_rank
+        try:
+            value = fn(config) if config is not None else _call_maybe_without_config(fn)
+            return WorkerOutcome(rank, True, value=value)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the driver with its traceback
+            return WorkerOutcome(rank, False, error=_picklable(exc), traceback=traceback.format_exc())
+        finally:
+            try:
+                self.teardown_distributed()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                pass
+
+    def drain(self) -> list:
+        from tpuray.train import session
+
+        sess = session._current()
+        return sess.drain() if sess is not None else []
+
+
+def _call_maybe_without_config(fn):
+    import inspect
+
+    try:
+        n_params = len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        n_params = 1
+    return fn() if n_params == 0 else fn({})
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
