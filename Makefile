@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint typecheck bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,13 +19,19 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/tpuray demo
 
-test: setup
-	$(BIN)/ruff check src tests benchmarks examples
+test: lint
 	$(BIN)/pytest -q
+
+test-fast: setup   # skips the multi-host and long-running tests (marked slow)
+	$(BIN)/pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
+	$(MAKE) typecheck
+
+typecheck: setup
+	$(BIN)/mypy src
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py

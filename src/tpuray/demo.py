@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tpuray.constants import DEMO_PORT_ENV
 from tpuray.validation import ConfigError
@@ -71,7 +72,8 @@ def train_loop(config: dict) -> None:
     device = get_device()
     tokenizer = AutoTokenizer.from_pretrained(config["model_dir"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(config["model_dir"]).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(config["model_dir"])
+    model = model.to(device)
     model = prepare_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
 
@@ -90,7 +92,7 @@ def train_loop(config: dict) -> None:
         last = epoch + 1 == config["epochs"]
         if last and ctx.get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                unwrapped = model.module if hasattr(model, "module") else model
+                unwrapped: Any = model.module if hasattr(model, "module") else model
                 unwrapped.to("cpu").save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
                 train.report(
@@ -151,9 +153,9 @@ def run_demo(cfg: DemoConfig) -> str:
                 ),
             )
             result = trainer.fit()
-            if result.error is not None:
-                raise RuntimeError(f"training failed: {result.error}")
-            first, last = result.metrics_history[0]["loss"], result.metrics["loss"]
+            if result.error is not None or result.checkpoint is None:
+                raise RuntimeError(f"training failed: {result.error or 'no checkpoint was reported'}")
+            first, last = result.metrics_history[0]["loss"], result.metrics_history[-1]["loss"]
             _say(cfg, f"trained {cfg.epochs} epochs: loss {first:.3f} -> {last:.3f}")
 
             model_dir = workdir / "model"

@@ -53,18 +53,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"connect with: ray.init(address={state['address']!r})   or   RAY_ADDRESS={state['address']}")
         return 0
     if args.action == "down":
-        state = detached.down(args.state_dir)
-        if state is None:
+        stopped = detached.down(args.state_dir)
+        if stopped is None:
             print("no emulated TPU cluster is running")
             return 0
-        print(f"EMULATED TPU cluster at {state['address']} stopped")
+        print(f"EMULATED TPU cluster at {stopped['address']} stopped")
         return 0
-    state = detached.read_state(args.state_dir)
-    if state is None:
+    current = detached.read_state(args.state_dir)
+    if current is None:
         print("no emulated TPU cluster is running (start one with `tpuray emulate up`)")
         return 1
-    print(f"EMULATED TPU cluster running: {state['description']} (pid {state['pid']})")
-    _print_state(state)
+    print(f"EMULATED TPU cluster running: {current['description']} (pid {current['pid']})")
+    _print_state(current)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tpuray.slices import format_slices, list_slices
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=False)
     try:
         nodes = [n for n in ray.nodes() if n["Alive"]]
         slices = list_slices()

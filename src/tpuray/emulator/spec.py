@@ -51,7 +51,7 @@ class SliceRequest:
     def key(self) -> tuple[str, tuple[int, int, int], int]:
         """Canonical identity (so "v6e"/"TPU-V6E" and "4x4"/"4x4x1" compare equal)."""
         topo = self.slice_topology
-        return (topo.generation.accelerator_type, tuple(topo.shape), self.count)
+        return (topo.generation.accelerator_type, topo.shape, self.count)
 
 
 @dataclass(frozen=True)

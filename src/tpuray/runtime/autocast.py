@@ -12,7 +12,7 @@ import torch
 
 aten = torch.ops.aten
 _KEY = "AutocastPrivateUse1"
-_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
 
 LOWER_PRECISION = (
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv",

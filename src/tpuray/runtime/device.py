@@ -62,9 +62,9 @@ class TpuTensor(torch.Tensor):
         r._local = local
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         body = repr(self._local.detach())
         if body.endswith(")"):
             body = body[:-1]
@@ -93,7 +93,7 @@ class TpuTensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        torch.Tensor.data.__set__(self, new)
+        torch.Tensor.data.__set__(self, new)  # type: ignore[attr-defined]
         self._local = local_tensor(new)
 
     # Storage-level access (FSDP2 frees/re-allocates unsharded parameters by resizing storages,

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future
+from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future  # type: ignore[attr-defined]
 
 from tpuray.runtime.device import local_tensor
 
@@ -36,7 +36,7 @@ class TpuDistProcessGroup(dist.ProcessGroup):
     """The emulated ``tpu_dist`` process group (gloo underneath, tensors unwrapped in place)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._size = size
         self._group_name = ""
         self._group_desc = ""

@@ -156,7 +156,8 @@ class SlicePlacementGroup:
         labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes()}
         self._slice_names = [labels[node_id][SLICE_NAME_LABEL] for node_id in node_of]
 
-        bundles, selector = [], []
+        bundles: list[dict[str, float]] = []
+        selector: list[dict[str, str]] = []
         for slice_name in self._slice_names:
             for worker in range(topo.num_hosts):
                 for _ in range(self._bundles_per_host):

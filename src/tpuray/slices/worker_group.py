@@ -94,16 +94,17 @@ class Member:
 
     actor: Any
     bundle: int
-    placement: WorkerPlacement | None = None
-    rank: RankInfo | None = None
+    placement: WorkerPlacement
+    rank: RankInfo
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _tpu_rank(spec: WorkerGroupSpec, bundle: int, pl: WorkerPlacement, hostnames: list[str] | None):
+def _tpu_rank(
+    spec: WorkerGroupSpec, topo: SliceTopology, bundle: int, pl: WorkerPlacement, hostnames: list[str] | None
+) -> tuple[RankInfo, dict[str, str]]:
     """(RankInfo, TPU process env) of the worker holding `bundle`; PlacementError if it cannot run there."""
     from tpuray.isolation import process_env
 
-    topo = spec.topology
     slice_index, in_slice = divmod(bundle, spec.workers_per_slice)
     host = in_slice // spec.workers_per_host
     where = f"worker of bundle {bundle} (slice {slice_index}, host {host}) on node {pl.node_id}"
@@ -175,18 +176,18 @@ def assign_ranks(
             )
         return out
     topo = spec.topology
+    out = []
     ips: dict[tuple[int, int], str] = {}
     for bundle, pl in placed:
         slice_index, in_slice = divmod(bundle, spec.workers_per_slice)
         ips.setdefault((slice_index, in_slice // spec.workers_per_host), pl.node_ip)
-    out = []
     for bundle, pl in placed:
         from tpuray.isolation import slice_hostnames
 
         slice_index = bundle // spec.workers_per_slice
         node_ips = [ips.get((slice_index, h), "") for h in range(topo.num_hosts)]
         hostnames = slice_hostnames(pl.host, topo, node_ips if all(node_ips) else None)
-        out.append(_tpu_rank(spec, bundle, pl, hostnames))
+        out.append(_tpu_rank(spec, topo, bundle, pl, hostnames))
     ranks = sorted(r.world_rank for r, _ in out)
     if ranks != list(range(spec.num_workers)):
         raise PlacementError(f"workers were placed on overlapping chip shares (ranks {ranks})")
@@ -208,6 +209,7 @@ class SliceWorkerGroup:
         self.spec = spec
         self.worker_cls = worker_cls
         self.members: list[Member] = []  # in rank order once started
+        self._started: list[tuple[Any, int]] = []  # (actor, bundle) of every actor created, for shutdown
         self.master_addr = ""
         self.master_port = 0
         self._spg: Any = None
@@ -222,19 +224,25 @@ class SliceWorkerGroup:
             self._create(strategies)
             try:
                 placements = ray.get(
-                    [m.actor.placement.remote() for m in self.members], timeout=self.spec.reserve_timeout_s
+                    [actor.placement.remote() for actor, _ in self._started],
+                    timeout=self.spec.reserve_timeout_s,
                 )
             except ray.exceptions.GetTimeoutError as e:
                 raise TimeoutError(
-                    f"the {len(self.members)} workers of {self!r} did not start within "
+                    f"the {len(self._started)} workers of {self!r} did not start within "
                     f"{self.spec.reserve_timeout_s}s"
                 ) from e
-            for m, pl in zip(self.members, placements, strict=True):
-                m.placement = pl
-            ranked = assign_ranks(self.spec, [(m.bundle, m.placement) for m in self.members])
-            for m, (rank, env) in zip(self.members, ranked, strict=True):
-                m.rank, m.env = rank, env
-            self.members.sort(key=lambda m: m.rank.world_rank)
+            placed = [(bundle, pl) for (_, bundle), pl in zip(self._started, placements, strict=True)]
+            ranked = assign_ranks(self.spec, placed)
+            self.members = sorted(
+                (
+                    Member(actor, bundle, pl, rank, env)
+                    for (actor, bundle), pl, (rank, env) in zip(
+                        self._started, placements, ranked, strict=True
+                    )
+                ),
+                key=lambda m: m.rank.world_rank,
+            )
             head = self.members[0]
             self.master_addr = head.placement.node_ip
             self.master_port = ray.get(head.actor.free_port.remote(), timeout=self.spec.reserve_timeout_s)
@@ -306,7 +314,7 @@ class SliceWorkerGroup:
                 runtime_env=spec.runtime_env,
                 max_concurrency=spec.max_concurrency,
             ).remote()
-            self.members.append(Member(actor, bundle))  # tracked for shutdown right away
+            self._started.append((actor, bundle))  # tracked for shutdown right away
 
     # ---- use ---------------------------------------------------------------------------------
     @property
@@ -315,7 +323,7 @@ class SliceWorkerGroup:
 
     @property
     def emulated(self) -> bool:
-        return any(m.placement is not None and m.placement.emulated for m in self.members)
+        return any(m.placement.emulated for m in self.members)
 
     @property
     def slice_names(self) -> list[str]:
@@ -344,12 +352,12 @@ class SliceWorkerGroup:
     def describe(self) -> list[dict[str, Any]]:
         return [
             {
-                "rank": m.rank.world_rank if m.rank else None,
-                "node_ip": m.placement.node_ip if m.placement else None,
-                "pid": m.placement.pid if m.placement else None,
-                "tpu_chips": list(m.placement.tpu_chips) if m.placement else [],
-                "slice": m.placement.slice_name if m.placement else None,
-                "emulated": bool(m.placement and m.placement.emulated),
+                "rank": m.rank.world_rank,
+                "node_ip": m.placement.node_ip,
+                "pid": m.placement.pid,
+                "tpu_chips": list(m.placement.tpu_chips),
+                "slice": m.placement.slice_name,
+                "emulated": m.placement.emulated,
             }
             for m in self.members
         ]
@@ -362,14 +370,14 @@ class SliceWorkerGroup:
         import ray
 
         members, self.members = self.members, []
-        if members and ray.is_initialized():
-            if graceful:
-                refs = [m.actor.teardown_distributed.remote() for m in members if m.placement is not None]
-                if refs:
-                    ray.wait(refs, num_returns=len(refs), timeout=TEARDOWN_TIMEOUT_S)
-            for m in members:
+        started, self._started = self._started, []
+        if started and ray.is_initialized():
+            if graceful and members:
+                refs = [m.actor.teardown_distributed.remote() for m in members]
+                ray.wait(refs, num_returns=len(refs), timeout=TEARDOWN_TIMEOUT_S)
+            for actor, _ in started:
                 try:
-                    ray.kill(m.actor, no_restart=True)
+                    ray.kill(actor, no_restart=True)
                 except Exception:  # noqa: BLE001 - already dead
                     pass
         spg, self._spg = self._spg, None

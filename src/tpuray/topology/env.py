@@ -165,7 +165,7 @@ def worker_envs(
     """`worker_env` for every process, in rank order. Long shared values (the address lists) are
     the same string objects in every dict."""
     shared = _build_shared(topo, _hosts_key(hostnames), chips_per_process, port_base, slicebuilder_port_base)
-    out = []
+    out: list[dict[str, str]] = []
     append = out.append
     rank = 0
     for host in range(shared.num_hosts):

@@ -142,6 +142,8 @@ class ScalingConfig:
 
     @property
     def workers_per_host(self) -> int:
+        if self.slice_topology is None:
+            raise ValueError("workers_per_host is defined for TPU slices only (use_tpu=True)")
         return self.slice_topology.chips_per_host // int(self.tpus_per_worker)
 
     def worker_resources(self) -> dict[str, float]:
@@ -196,8 +198,8 @@ class RunConfig:
 
     name: str | None = None
     storage_path: str | None = None
-    failure_config: FailureConfig | None = None
-    checkpoint_config: CheckpointConfig | None = None
+    failure_config: FailureConfig = field(default_factory=lambda: FailureConfig())  # None: the default
+    checkpoint_config: CheckpointConfig = field(default_factory=lambda: CheckpointConfig())
     verbose: int = 1
 
     def __post_init__(self) -> None:

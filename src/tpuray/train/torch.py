@@ -105,7 +105,7 @@ def prepare_model(
         kwargs.setdefault("output_device", device)
     ddp = DistributedDataParallel(model, **kwargs)
     if device.type == "tpu" and _emulated():
-        ddp.logger = _NoRuntimeStatsLogger(ddp.logger)
+        ddp.logger = _NoRuntimeStatsLogger(ddp.logger)  # type: ignore[assignment]
     return ddp
 
 
@@ -135,7 +135,7 @@ def prepare_data_loader(
     add_dist_sampler: bool = True,
     move_to_device: bool = True,
     auto_transfer: bool = True,
-) -> DataLoader:
+) -> DataLoader | _DeviceDataLoader:
     """Shard the loader across workers with a DistributedSampler and move each batch to the device.
 
     auto_transfer (with move_to_device): move the next batch to the device on a background thread while
@@ -149,7 +149,7 @@ def prepare_data_loader(
         and not isinstance(data_loader.sampler, DistributedSampler)
         and data_loader.batch_size is not None
     ):
-        sampler = DistributedSampler(
+        sampler: DistributedSampler = DistributedSampler(
             data_loader.dataset,
             num_replicas=world,
             rank=_world_rank(),

@@ -139,7 +139,11 @@ class DataParallelTrainer:
         self.torch_config = torch_config or TorchConfig()
         self.resume_from_checkpoint = resume_from_checkpoint
         self.metadata = dict(metadata or {})
-        self.run_path = ckpt.join(self.run_config.storage_path, self.run_config.name)
+        rc = self.run_config
+        assert rc.name is not None and rc.storage_path is not None  # filled in by RunConfig.__post_init__
+        self.name: str = rc.name
+        self.storage_path: str = rc.storage_path
+        self.run_path = ckpt.join(rc.storage_path, rc.name)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Result:
@@ -159,6 +163,7 @@ class DataParallelTrainer:
         try:
             while True:
                 resume = state.rewind()
+                restored: ckpt.Checkpoint | None
                 if resume:
                     restored = ckpt.Checkpoint(ckpt.checkpoint_dir(self.run_path, resume - 1))
                 else:
@@ -192,15 +197,15 @@ class DataParallelTrainer:
 
     def _title(self) -> str:
         sc = self.scaling_config
-        if sc.use_tpu:
-            topo = sc.slice_topology
+        topo = sc.slice_topology
+        if topo is not None:
             where = f"{sc.num_slices}x {topo.generation.name} {topo.topology}"
         else:
             where = "GPU" if sc.use_gpu else "CPU"
-        return f"tpuray.train {self.run_config.name} [{sc.num_workers} workers, {where}]"
+        return f"tpuray.train {self.name} [{sc.num_workers} workers, {where}]"
 
     def _run_attempt(self, state: _RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
-        sc, rc = self.scaling_config, self.run_config
+        sc = self.scaling_config
         group = SliceWorkerGroup(group_spec(sc), TrainWorker)
         t0 = time.perf_counter()
         finished = False
@@ -220,8 +225,8 @@ class DataParallelTrainer:
                     local_rank=rank.local_rank,
                     local_world_size=rank.local_world_size,
                     node_rank=rank.node_rank,
-                    experiment_name=rc.name,
-                    storage_path=rc.storage_path,
+                    experiment_name=self.name,
+                    storage_path=self.storage_path,
                     run_path=self.run_path,
                     device_type=device_type_for(backend),
                     emulated=group.emulated,
@@ -331,9 +336,10 @@ class DataParallelTrainer:
 
     def _prune_checkpoints(self, state: _RunState) -> None:
         keep = self.run_config.checkpoint_config.num_to_keep
-        if keep is None:
+        if keep is None or state.latest_ckpt is None:
             return
-        committed = sorted(i for i in state.ckpt_indices if i <= state.latest_ckpt)
+        latest = state.latest_ckpt
+        committed = sorted(i for i in state.ckpt_indices if i <= latest)
         for index in committed[:-keep]:
             ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
             state.ckpt_indices.discard(index)

@@ -16,12 +16,13 @@ import inspect
 import json
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve import Deployment
 
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
 from tpuray.serve.llm.protocol import (
@@ -34,6 +35,10 @@ from tpuray.serve.llm.protocol import (
     now,
 )
 from tpuray.validation import ConfigError
+
+if TYPE_CHECKING:
+    from tpuray.serve.llm.embeddings import EmbeddingModel
+    from tpuray.serve.llm.server import ModelServer
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +77,16 @@ class LLMServer:
 
     def __init__(self, llm_config: LLMConfig):
         self.config = llm_config
+        self.server: ModelServer | None = None
+        self.embedder: EmbeddingModel | None = None
         if llm_config.task == "embed":
-            from tpuray.serve.llm.embeddings import EmbeddingModel
+            from tpuray.serve.llm import embeddings  # torch and transformers only in model replicas
 
-            self.embedder = EmbeddingModel(llm_config)
-            self.server = None
+            self.embedder = embeddings.EmbeddingModel(llm_config)
         else:
-            from tpuray.serve.llm.server import ModelServer
+            from tpuray.serve.llm import server
 
-            self.server = ModelServer(llm_config)
-            self.embedder = None
+            self.server = server.ModelServer(llm_config)
 
     def describe(self) -> dict[str, Any]:
         if self.server is None:
@@ -298,6 +303,11 @@ class LLMRouter:
         return {"status": "ok"}
 
 
+def _deployment(cls: type) -> Deployment:
+    """`serve.deployment(cls)` (typed: Serve's overloads read a bare class as decorator arguments)."""
+    return cast(Deployment, serve.deployment(cls))
+
+
 def _deployment_name(model_id: str) -> str:
     return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "-", model_id)
 
@@ -342,7 +352,7 @@ def build_llm_deployment(llm_config: LLMConfig | dict, *, name_prefix: str | Non
     opts = _server_options(config)
     if name_prefix:
         opts["name"] = name_prefix + opts["name"]
-    return serve.deployment(LLMServer).options(**opts).bind(config)
+    return _deployment(LLMServer).options(**opts).bind(config)
 
 
 def build_openai_app(llm_serving_args: LLMServingArgs | dict):
@@ -365,11 +375,11 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     mmls = [c.engine_kwargs.get("max_model_len") for c in args.llm_configs]
     if args.one_deployment:  # one deployment, named like the model's LLMServer, with the model's options
         (config,) = args.llm_configs
-        ingress = serve.deployment(LLMRouter).options(**_server_options(config))
+        ingress = _deployment(LLMRouter).options(**_server_options(config))
         return ingress.bind([config], model_ids, mmls, args.api_key)
     servers = [build_llm_deployment(c) for c in args.llm_configs]
     ingress_opts: dict[str, Any] = {"max_ongoing_requests": 2048, "ray_actor_options": {"num_cpus": 0}}
     ingress_opts.update(args.ingress_deployment_config)
     ingress_opts["ray_actor_options"] = _with_fast_path(ingress_opts.get("ray_actor_options") or {})
-    ingress = serve.deployment(LLMRouter).options(name="LLMRouter", **ingress_opts)
+    ingress = _deployment(LLMRouter).options(name="LLMRouter", **ingress_opts)
     return ingress.bind(servers, model_ids, mmls, args.api_key)

@@ -84,7 +84,7 @@ def _as_model_loading_config(value: Any) -> ModelLoadingConfig:
 class LLMConfig:
     """One served model. Same field names as `ray.serve.llm.LLMConfig`."""
 
-    model_loading_config: ModelLoadingConfig | dict
+    model_loading_config: ModelLoadingConfig  # a dict is converted
     llm_engine: str = "auto"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     accelerator_type: str | None = None
@@ -280,7 +280,7 @@ class LLMServingArgs:
     model (as Ray Serve LLM does). True or False forces the choice.
     """
 
-    llm_configs: list[LLMConfig | dict | str]
+    llm_configs: list[LLMConfig]  # dicts and YAML paths are converted
     ingress_deployment_config: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
     single_deployment: bool | None = None

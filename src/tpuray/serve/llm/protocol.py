@@ -86,8 +86,8 @@ class CompletionRequest(_Request):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            return [[x for x in p if isinstance(x, int)]]
+        return [x for x in p if isinstance(x, (str, list))]
 
 
 class ChatMessage(BaseModel):

@@ -26,9 +26,9 @@ from tpuray.serve.llm.protocol import (
 
 
 class Job(NamedTuple):
-    """One choice to generate: choice `index`, prompt ids, sampling, the seed stream index, echoed text."""
+    """One choice to generate: its choice index, prompt ids, sampling, the seed stream index, echoed text."""
 
-    index: int
+    choice: int
     prompt_ids: list[int]
     params: SamplingParams
     seed_index: int
@@ -38,7 +38,7 @@ class Job(NamedTuple):
 class Choice(NamedTuple):
     """One generated choice (non-streamed)."""
 
-    index: int
+    choice: int
     text: str
     finish_reason: str | None
     completion_tokens: int
@@ -117,7 +117,7 @@ class ModelServer:
             async for out in self.engine.generate(job.prompt_ids, job.params, job.seed_index):
                 text += out.text
                 reason, n_out = out.finish_reason, out.completion_tokens
-            return Choice(job.index, text, reason, n_out, len(job.prompt_ids))
+            return Choice(job.choice, text, reason, n_out, len(job.prompt_ids))
 
         results = await asyncio.gather(*(run(j) for j in jobs))
         completion_tokens = sum(c.completion_tokens for c in results)
@@ -127,7 +127,7 @@ class ModelServer:
         self._check_model(req)
         results, pt, ct = await self._run_all(self._completion_jobs(req))
         choices = [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            {"index": c.choice, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
             for c in results
         ]
         return {
@@ -144,7 +144,7 @@ class ModelServer:
         results, pt, ct = await self._run_all(self._chat_jobs(req))
         choices = [
             {
-                "index": c.index,
+                "index": c.choice,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
@@ -168,9 +168,9 @@ class ModelServer:
         async def pump(job: Job) -> None:
             try:
                 async for out in self.engine.generate(job.prompt_ids, job.params, job.seed_index):
-                    await queue.put((job.index, out))
+                    await queue.put((job.choice, out))
             except Exception as e:
-                await queue.put((job.index, e))
+                await queue.put((job.choice, e))
 
         tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
         done, completion = 0, 0

@@ -125,10 +125,15 @@ class EmbeddedEngine(PromptEncoder):
         }
 
     async def _step(self, batch) -> torch.Tensor:
+        """Logits of one step: from the in-process runner, or from rank 0 of the worker group."""
         if self.runner is not None:
-            return await asyncio.to_thread(self.runner.step, batch)
-        results = await asyncio.gather(*self.group.call("step", batch))
-        return results[0]
+            logits = await asyncio.to_thread(self.runner.step, batch)
+        elif self.group is not None:
+            logits = (await asyncio.gather(*self.group.call("step", batch)))[0]
+        else:
+            raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
+        assert logits is not None  # rank 0 returns the logits
+        return logits
 
     # -- loop ---------------------------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -137,11 +142,12 @@ class EmbeddedEngine(PromptEncoder):
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        sched = self.scheduler
+        sched, wakeup = self.scheduler, self._wakeup
+        assert wakeup is not None  # made by _ensure_loop, with this task
         while True:
             if not sched.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                wakeup.clear()
+                await wakeup.wait()
                 continue
             seqs, batch = sched.schedule()
             if not seqs:
@@ -168,7 +174,8 @@ class EmbeddedEngine(PromptEncoder):
         self._ensure_loop()
         seq = Sequence(list(prompt_ids), params, params.generator(index), asyncio.Queue())
         self.scheduler.add(seq)
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         try:
             while True:
                 out = await seq.queue.get()

@@ -113,4 +113,6 @@ class EngineWorker(SliceWorker):
         }
 
     def step(self, batch: Step) -> torch.Tensor | None:
+        if self.runner is None:
+            raise RuntimeError("EngineWorker.step before load()")
         return self.runner.step(batch)
