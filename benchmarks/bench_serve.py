@@ -20,21 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import tempfile
 import time
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import free_port, pct
 
 
 async def http_latencies(url: str, n: int) -> list[float]:
@@ -185,6 +175,7 @@ def variant_child(variant: str, requests: int) -> None:
         tiny = str(build_tiny_causal_lm(os.path.join(tmp, "tiny")))
         cfg = dict(
             model_loading_config={"model_id": "tiny", "model_source": tiny},
+            llm_engine="embedded",
             engine_kwargs={"max_model_len": 256},
         )
         proxy_port = free_port()
@@ -268,6 +259,7 @@ def main() -> None:
         tiny = str(build_tiny_causal_lm(os.path.join(tmp, "tiny")))
         cpu_cfg = dict(
             model_loading_config={"model_id": "tiny", "model_source": tiny},
+            llm_engine="embedded",
             engine_kwargs={"max_model_len": 256},
         )
 
@@ -378,6 +370,7 @@ def main() -> None:
         for topo, tp in (("1x1", 1), ("2x2", 4)):
             cfg = LLMConfig(
                 model_loading_config={"model_id": "medium", "model_source": med},
+                llm_engine="embedded",
                 accelerator_type="TPU-V6E",
                 accelerator_config={"kind": "tpu", "topology": topo},
                 engine_kwargs={"tensor_parallel_size": tp, "max_model_len": 256},

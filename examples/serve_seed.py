@@ -1,9 +1,11 @@
 """The announcement's Ray Serve LLM sample with `ray.serve.llm` -> `tpuray.serve.llm`, on an EMULATED slice.
 
 The seed block below is the announcement's code unchanged except for the import and the model: there is
-no hub download here, so the model is a tiny local Llama-style model with 16 attention heads (so that
-tensor_parallel_size=16 divides them), built with `tpuray.models.build_tiny_causal_lm`. Its weights are
-random, so its text is gibberish: this shows the serving path, not a language model.
+no hub download here, so the model is a tiny local Llama-style model with 16 attention heads of 64 dims
+(so that tensor_parallel_size=16 divides them and vLLM's CPU kernels take them), built with
+`tpuray.models.build_tiny_causal_lm`. Its weights are random, so its text is gibberish: this shows the
+serving path, not a language model. With vLLM installed it serves on vLLM (one vLLM worker per emulated
+chip: 16 processes on a 4x4, so use --topology 2x2 on a small machine); otherwise on the embedded engine.
 
     .venv/bin/python examples/serve_seed.py              # the seed's 4x4 slice: 16 emulated chips, TP=16
     .venv/bin/python examples/serve_seed.py --topology 2x2   # a 4-chip slice for small machines (TP=4)
@@ -32,7 +34,14 @@ def main() -> None:
         EmulatedCluster([SliceRequest("TPU-V6E", args.topology)]) as cluster,
     ):
         cluster.connect()
-        model_path = str(build_tiny_causal_lm(f"{tmp}/tiny-llama-16h", max_position_embeddings=8192))
+        model_path = str(
+            build_tiny_causal_lm(
+                f"{tmp}/tiny-llama-16h",
+                hidden_size=1024,
+                num_attention_heads=16,
+                max_position_embeddings=8192,
+            )
+        )
 
         # --- the seed sample (ray.serve.llm -> tpuray.serve.llm) ---------------------------------------
         from tpuray.serve.llm import (
@@ -81,7 +90,8 @@ def main() -> None:
                 .result()
             )
             print(
-                f"replica: {info['slice']}, {len(info['workers'])} engine workers, emulated={info['emulated']}"
+                f"replica: {info['engine']} engine, tensor_parallel_size={info['tensor_parallel_size']} on "
+                f"{info['slice']}, emulated={info['emulated']}"
             )
             reply = client.chat.completions.create(
                 model="tiny-llama-16h",

@@ -29,12 +29,16 @@ At session end the connection is closed and every node (raylets, GCS, workers) i
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tpuray.emulator import EmulatedCluster, SliceRequest
+
+# Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
 TEST_NAMESPACE = "tpuray-tests"

@@ -63,3 +63,5 @@ API_KEY_ENV = "TPURAY_SERVE_API_KEY"
 STATE_DIR_ENV = "TPURAY_STATE_DIR"
 KUBERAY_CRDS_ENV = "TPURAY_KUBERAY_CRDS"
 DEMO_PORT_ENV = "TPURAY_DEMO_PORT"
+MODEL_CACHE_ENV = "TPURAY_MODEL_CACHE"  # where model_source URLs are downloaded (~/.cache/tpuray/models)
+VLLM_PLATFORM_ENV = "TPURAY_VLLM_PLATFORM"  # "emulated-tpu": vLLM in this process serves an emulated slice

@@ -50,8 +50,13 @@ class DemoConfig:
     workdir: str | None = None
     quiet: bool = False
     verbose: bool = False  # stream Ray worker / Serve logs to the console
+    engine: str = "auto"  # the serving engine: vLLM where installed (auto), or "vLLM" / "embedded"
 
     def __post_init__(self) -> None:
+        from tpuray.serve.llm.config import ENGINES
+        from tpuray.validation import check_choice
+
+        check_choice("engine", self.engine, ENGINES)
         if self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr <= 0:
@@ -135,7 +140,10 @@ def run_demo(cfg: DemoConfig) -> str:
         if not cfg.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
-            init_dir = build_tiny_causal_lm(workdir / "init", corpus="".join(samples))
+            # head_dim 64 (256 / 4 heads): what vLLM's CPU attention kernels take; 4 heads split over 4 chips
+            init_dir = build_tiny_causal_lm(
+                workdir / "init", corpus="".join(samples), hidden_size=256, num_attention_heads=4
+            )
             _say(cfg, f"built a tiny Llama-style model + tokenizer in {init_dir}")
 
             _say(cfg, f"training on {scaling.num_workers} emulated chips (DDP over tpu_dist)")
@@ -181,6 +189,15 @@ def _chips(cfg: DemoConfig) -> int:
     return SliceTopology.parse(cfg.accelerator_type, cfg.topology).num_chips
 
 
+def _engine_kwargs(cfg: DemoConfig) -> dict:
+    """vLLM's options for a tiny float32 model on CPU (eager: no graph capture to wait for)."""
+    from tpuray.serve.llm.engine import vllm_available
+
+    if cfg.engine == "embedded" or (cfg.engine == "auto" and not vllm_available()):
+        return {"dtype": "float32"}
+    return {"dtype": "float32", "enforce_eager": True}
+
+
 def _serve_and_ask(
     cfg, model_dir, serve, LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
 ) -> str:
@@ -191,10 +208,15 @@ def _serve_and_ask(
         accelerator_type=cfg.accelerator_type,
         accelerator_config={"kind": "tpu", "topology": cfg.topology},
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
-        engine_kwargs={"tensor_parallel_size": _chips(cfg), "max_model_len": 256},
+        llm_engine=cfg.engine,
+        engine_kwargs={"tensor_parallel_size": _chips(cfg), "max_model_len": 256, **_engine_kwargs(cfg)},
     )
     port = int(os.environ.get(DEMO_PORT_ENV, "8000"))
-    _say(cfg, f"serving {MODEL_ID} with build_openai_app (tensor parallel over {_chips(cfg)} emulated chips)")
+    engine = "vLLM" if llm_config.engine == "vLLM" else "the embedded engine"
+    _say(
+        cfg,
+        f"serving {MODEL_ID} with build_openai_app on {engine} (tensor parallel over {_chips(cfg)} emulated chips)",
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_openai_app(LLMServingArgs(llm_configs=[llm_config])), blocking=False)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed")

@@ -38,6 +38,7 @@ def main(setting: str, port: int) -> None:
     ):
         config = LLMConfig(
             model_loading_config={"model_id": "tiny", "model_source": str(build_tiny_causal_lm(tmp + "/m"))},
+            llm_engine="embedded",
             engine_kwargs={"max_model_len": 128},
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})

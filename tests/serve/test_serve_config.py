@@ -23,9 +23,30 @@ def cfg(**overrides) -> LLMConfig:
     return LLMConfig(model_loading_config=ModelLoadingConfig(model_id="google/gemma-4-26B-A4B-it"), **kw)
 
 
+def test_seed_config_runs_on_vllm_when_it_is_installed():
+    from tpuray.serve.llm.engine import vllm_available
+
+    c = cfg()
+    assert c.llm_engine == "auto" and c.engine == ("vLLM" if vllm_available() else "embedded")
+    assert cfg(llm_engine="embedded").engine == "embedded"
+    assert (
+        LLMConfig(model_loading_config={"model_id": "e"}, engine_kwargs={"task": "embed"}).engine
+        == "embedded"
+    )
+
+
+def test_vllm_runs_one_worker_per_chip():
+    with pytest.raises(ValueError, match=r"bundle_per_worker TPU=4 is not supported with vLLM.*valid: 1"):
+        cfg(
+            llm_engine="vLLM",
+            placement_group_config={"bundle_per_worker": {"TPU": 4}},
+            engine_kwargs={"tensor_parallel_size": 4},
+        )
+
+
 def test_seed_config_is_accepted_and_notes_ignored_kwargs(caplog):
     with caplog.at_level(logging.INFO, logger="tpuray.serve.llm.config"):
-        c = cfg()
+        c = cfg(llm_engine="embedded")
     assert c.topology.num_chips == 16 and c.num_workers == 16 and c.tensor_parallel_size == 16
     assert c.chips_per_worker == 1 and c.topology.num_hosts == 4
     assert "enable_expert_parallel" in caplog.text and "ignored" in caplog.text
@@ -65,11 +86,13 @@ def test_bad_configs_name_the_value_and_the_valid_ones(overrides, match):
 
 def test_chips_per_worker_sets_the_worker_count():
     c = cfg(
-        placement_group_config={"bundle_per_worker": {"TPU": 4}}, engine_kwargs={"tensor_parallel_size": 4}
+        llm_engine="embedded",
+        placement_group_config={"bundle_per_worker": {"TPU": 4}},
+        engine_kwargs={"tensor_parallel_size": 4},
     )
     assert c.num_workers == 4
     with pytest.raises(ValueError, match=r"valid: 4"):
-        cfg(placement_group_config={"bundle_per_worker": {"TPU": 4}})
+        cfg(llm_engine="embedded", placement_group_config={"bundle_per_worker": {"TPU": 4}})
 
 
 def test_cpu_config_defaults_to_one_worker():
@@ -82,8 +105,10 @@ def test_cpu_config_defaults_to_one_worker():
 
 
 def test_model_source_and_heads_are_checked(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"not a local model directory"):
-        cfg().check_model_source()
+    with pytest.raises(
+        ValueError, match=r"'google/gemma-4-26B-A4B-it' \(a Hugging Face Hub id\) is not in the local"
+    ):
+        cfg().check_model_source()  # tests run with HF_HUB_OFFLINE=1 and an empty cache
     ok = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
         accelerator_type="TPU-V6E",
@@ -157,7 +182,7 @@ def test_build_openai_app_validates_before_reserving(tiny_model_dir):
     from tpuray.serve.llm import build_openai_app
 
     missing = {"model_loading_config": {"model_id": "m", "model_source": "/does/not/exist"}}
-    with pytest.raises(ValueError, match=r"'/does/not/exist' is not a local model directory"):
+    with pytest.raises(ValueError, match=r"'/does/not/exist' is not a model directory with a config.json"):
         build_openai_app(LLMServingArgs(llm_configs=[missing]))
     app = build_openai_app(
         {"llm_configs": [{"model_loading_config": {"model_id": "t", "model_source": tiny_model_dir}}]}

@@ -17,6 +17,7 @@ from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
 def engine(tiny_model_dir):
     cfg = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+        llm_engine="embedded",
         engine_kwargs={"max_model_len": 128, "max_num_seqs": 8},
     )
     eng = EmbeddedEngine(cfg)
@@ -154,6 +155,7 @@ def test_generate_after_shutdown_is_a_clear_error(tiny_model_dir):
 
     cfg = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+        llm_engine="embedded",
         engine_kwargs={"max_model_len": 64, "max_num_seqs": 2},
     )
     eng = EmbeddedEngine(cfg)

@@ -37,6 +37,7 @@ def tiny_tp4_config(tiny_model_dir: str):
 
     return LLMConfig(
         model_loading_config=ModelLoadingConfig(model_id="tiny", model_source=tiny_model_dir),
+        llm_engine="embedded",
         accelerator_type="TPU-V6E",
         accelerator_config={"kind": "tpu", "topology": "2x2"},
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
@@ -99,6 +100,7 @@ def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
     local = ModelServer(
         LLMConfig(
             model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+            llm_engine="embedded",
             engine_kwargs={"max_model_len": MAX_MODEL_LEN},
         )
     )

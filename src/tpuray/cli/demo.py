@@ -25,6 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--question", default="What is tpuray?", help="the chat message to send")
     p.add_argument("--workdir", default=None, help="where the model and checkpoints go (default: a temp dir)")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "vLLM", "embedded"),
+        default="auto",
+        help="serving engine: vLLM where it is installed (auto, the default), or tpuray's embedded engine",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the answer")
     p.add_argument("--verbose", action="store_true", help="also stream Ray worker and Serve logs")
     p.set_defaults(func=run)
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         quiet=args.quiet,
         verbose=args.verbose,
+        engine=args.engine,
     )
     run_demo(cfg)
     return 0

@@ -71,7 +71,7 @@ def describe(args) -> str:
             if c.topology
             else "CPU, in the replica process"
         )
-        lines.append(f"  {c.model_id} [{c.task}] <- {c.model_loading_config.local_path}: {where}")
+        lines.append(f"  {c.model_id} [{c.task}] <- {c.model_source}: {where}")
     return "\n".join(lines)
 
 

@@ -82,7 +82,7 @@ def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> A
 
     for attempt in range(1, attempts + 1):
         started.clear()
-        ray_node.Node = _TrackedNode  # type: ignore[misc]
+        ray_node.Node = _TrackedNode
         try:
             return cluster.add_node(**node_args)
         except Exception as e:
@@ -94,7 +94,7 @@ def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> A
             for node in started:
                 node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
         finally:
-            ray_node.Node = base  # type: ignore[misc]
+            ray_node.Node = base
     raise AssertionError("unreachable")
 
 

@@ -1,58 +1,52 @@
-"""Ray Serve wiring: an OpenAI ingress (`LLMRouter`, FastAPI on /v1) in front of the models' `LLMServer`s.
+"""Ray Serve wiring: an OpenAI ingress (`LLMRouter`, FastAPI) in front of the models' `LLMServer`s.
 
 Several models: the router forwards each request to that model's `LLMServer` deployment through a Serve
 handle. One model (the default for a one-model app): a single deployment whose replicas hold the router
 *and* the model's LLMServer in-process, one Serve hop fewer per request.
 
-Each LLMServer builds its engine in its constructor; for a TPU model the engine reserves the replica's own
-SlicePlacementGroup and starts one worker actor per chip on it. Serve calls `__del__` when it stops a
-replica, which kills the workers and releases the slice.
+The router authenticates, reads the JSON body, routes on its `model` and frames SSE; the model's backend
+parses and validates the request with its engine's own protocol (vLLM's for vLLM, tpuray's for the
+embedded engine), so nothing a backend supports is dropped on the way. Each LLMServer builds its engine
+in its constructor; for a TPU model the engine reserves the replica's own slice. Serve calls `__del__`
+when it stops a replica, which stops the engine and releases the slice.
 
 (No `from __future__ import annotations` here: FastAPI must see real types in the routes' signatures.)
 """
 
-import asyncio
 import inspect
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import Deployment
 
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
-from tpuray.serve.llm.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    OpenAIError,
-    error_from_validation,
-    model_card,
-    now,
-)
+from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.replica import LLMServer
 from tpuray.validation import ConfigError
-
-if TYPE_CHECKING:
-    from tpuray.serve.llm.embeddings import EmbeddingModel
-    from tpuray.serve.llm.server import ModelServer
 
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="tpuray OpenAI-compatible API")
 
+# POST path -> backend endpoint; "model" is required on the OpenAI routes, optional on vLLM's /tokenize.
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/embeddings": "embeddings",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+MODEL_OPTIONAL = {"tokenize", "detokenize"}
+
 
 def error_response(e: OpenAIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(error_from_validation(list(exc.errors())))
 
 
 @api.exception_handler(OpenAIError)
@@ -68,118 +62,39 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-class LLMServer:
-    """One model replica: the engine (and its TPU slice) plus OpenAI semantics.
-
-    Request errors cross the Serve boundary as values: a method returns (a stream yields) the
-    OpenAIError instead of raising it, so a bad request costs no exception traceback in the replica log.
-    """
-
-    def __init__(self, llm_config: LLMConfig):
-        self.config = llm_config
-        self.server: ModelServer | None = None
-        self.embedder: EmbeddingModel | None = None
-        if llm_config.task == "embed":
-            from tpuray.serve.llm import embeddings  # torch and transformers only in model replicas
-
-            self.embedder = embeddings.EmbeddingModel(llm_config)
-        else:
-            from tpuray.serve.llm import server
-
-            self.server = server.ModelServer(llm_config)
-
-    def describe(self) -> dict[str, Any]:
-        if self.server is None:
-            return {"engine": "embeddings", "model": self.config.model_id}
-        return self.server.engine.describe()
-
-    def _need(self, what: str):
-        target = self.embedder if what == "embeddings" else self.server
-        if target is None:
-            task = "embeddings" if self.server is None else "completions and chat completions"
-            raise OpenAIError(
-                f"model `{self.config.model_id}` does not support {what}; it serves {task}", param="model"
-            )
-        return target
-
-    async def _call(self, what: str, method: str, req) -> dict[str, Any] | OpenAIError:
-        try:
-            fn = getattr(self._need(what), method)
-            if what == "embeddings":  # synchronous torch compute: keep the replica's event loop free
-                return await asyncio.to_thread(fn, req)
-            return await fn(req)
-        except OpenAIError as e:
-            return e
-
-    async def completions(self, req: CompletionRequest) -> dict[str, Any] | OpenAIError:
-        return await self._call("completions", "completions", req)
-
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | OpenAIError:
-        return await self._call("chat completions", "chat", req)
-
-    async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any] | OpenAIError:
-        return await self._call("embeddings", "create", req)
-
-    async def _stream(self, what: str, method: str, req):
-        try:
-            async for chunk in getattr(self._need(what), method)(req):
-                yield chunk
-        except OpenAIError as e:
-            yield e
-
-    async def completions_stream(self, req: CompletionRequest):
-        async for chunk in self._stream("completions", "completions_stream", req):
-            yield chunk
-
-    async def chat_stream(self, req: ChatCompletionRequest):
-        async for chunk in self._stream("chat completions", "chat_stream", req):
-            yield chunk
-
-    def check_health(self) -> None:
-        """Serve restarts the replica (and so re-reserves its slice) when an engine worker died."""
-        import ray
-
-        error = getattr(getattr(self.server, "engine", None), "error", None)
-        if isinstance(error, ray.exceptions.RayActorError):
-            raise RuntimeError(f"engine worker died: {error}")
-
-    def shutdown(self) -> None:
-        """Stop the engine: kill its worker actors and release the replica's slice (idempotent)."""
-        server = getattr(self, "server", None)
-        if server is not None:
-            self.server = None
-            server.shutdown()
-
-    __del__ = shutdown
-
-
 class _Remote:
     """A model served by its own LLMServer deployment, reached through a Serve handle."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def call(self, method: str, req) -> dict[str, Any]:
-        return await getattr(self.handle, method).remote(req)
+    async def call(self, endpoint: str, body: dict) -> Any:
+        return await self.handle.handle.remote(endpoint, body)
 
-    def stream(self, method: str, req):
-        return getattr(self.handle.options(stream=True), method + "_stream").remote(req)
+    def stream(self, endpoint: str, body: dict) -> Any:
+        return self.handle.options(stream=True).handle_stream.remote(endpoint, body)
+
+    async def card(self) -> dict:
+        return await self.handle.card.remote()
 
 
 class _Local:
     """A model whose LLMServer lives in this ingress replica (no Serve hop between router and engine)."""
 
-    def __init__(self, config: LLMConfig):
-        self.server = LLMServer(config)
+    def __init__(self, server: LLMServer) -> None:
+        self.server = server
 
-    async def call(self, method: str, req) -> dict[str, Any]:
-        return await getattr(self.server, method)(req)
+    async def call(self, endpoint: str, body: dict) -> Any:
+        return await self.server.handle(endpoint, body)
 
-    def stream(self, method: str, req):
-        return getattr(self.server, method + "_stream")(req)
+    def stream(self, endpoint: str, body: dict) -> Any:
+        return self.server.handle_stream(endpoint, body)
+
+    async def card(self) -> dict:
+        return self.server.card()
 
 
-async def _close(gen) -> None:
+async def _close(gen: Any) -> None:
     """Stop a response stream early: an in-process async generator, or a Serve streaming response."""
     if inspect.isasyncgen(gen):
         await gen.aclose()
@@ -187,26 +102,30 @@ async def _close(gen) -> None:
         gen.cancel()
 
 
+def _sse(chunk: Any) -> str:
+    """One SSE event: backends yield dicts, OpenAIErrors or (vLLM) preformatted events."""
+    if isinstance(chunk, str):
+        return chunk
+    if isinstance(chunk, OpenAIError):
+        chunk = chunk.body()
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 @serve.ingress(api)
 class LLMRouter:
-    """The /v1 ingress: auth, request validation, model routing and SSE framing.
+    """The OpenAI ingress: auth, model routing and SSE framing.
 
     `llm_servers` holds, per model, a Serve handle of its LLMServer deployment or an LLMConfig, which
     this replica then serves itself.
     """
 
-    def __init__(
-        self,
-        llm_servers: list,
-        model_ids: list[str],
-        max_model_lens: list[int | None],
-        api_key: str | None = None,
-    ):
-        self.backends = {
-            m: _Local(s) if isinstance(s, LLMConfig) else _Remote(s)
-            for m, s in zip(model_ids, llm_servers, strict=True)
-        }
-        self.cards = [model_card(m, now(), mml) for m, mml in zip(model_ids, max_model_lens, strict=True)]
+    async def __init__(self, llm_servers: list, model_ids: list[str], api_key: str | None = None) -> None:  # type: ignore[misc]
+        self.backends: dict[str, Any] = {}
+        for model_id, s in zip(model_ids, llm_servers, strict=True):
+            self.backends[model_id] = (
+                _Local(await LLMServer.create(s)) if isinstance(s, LLMConfig) else _Remote(s)
+            )
+        self.cards = [await b.card() for b in self.backends.values()]
         self.api_key = api_key
 
     def _local_servers(self) -> dict[str, LLMServer]:
@@ -224,25 +143,34 @@ class LLMRouter:
             )
         return local[model_id].describe()
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         for server in self._local_servers().values():
-            server.check_health()
+            await server.check_health()
 
     def __del__(self) -> None:
         for server in self._local_servers().values():
             server.shutdown()
 
-    def _check(self, request: Request, model: str | None = None):
-        if self.api_key:
-            auth = request.headers.get("authorization", "")
-            if not auth:
-                raise OpenAIError(
-                    "missing API key: send `Authorization: Bearer <key>`", 401, code="invalid_api_key"
-                )
-            if auth != f"Bearer {self.api_key}":
-                raise OpenAIError("incorrect API key provided", 401, code="invalid_api_key")
-        if model is None:
-            return None
+    def _authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth:
+            raise OpenAIError(
+                "missing API key: send `Authorization: Bearer <key>`", 401, code="invalid_api_key"
+            )
+        if auth != f"Bearer {self.api_key}":
+            raise OpenAIError("incorrect API key provided", 401, code="invalid_api_key")
+
+    def _backend(self, model: Any, endpoint: str) -> Any:
+        if model is None and endpoint in MODEL_OPTIONAL and len(self.backends) == 1:
+            return next(iter(self.backends.values()))
+        if not isinstance(model, str):
+            raise OpenAIError(
+                f"'model' is required and must be a string, got {model!r}",
+                param="model",
+                code="invalid_value",
+            )
         if model not in self.backends:
             raise OpenAIError(
                 f"The model `{model}` does not exist. Available models: {sorted(self.backends)}",
@@ -254,49 +182,53 @@ class LLMRouter:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        self._check(request)
+        self._authorize(request)
         return {"object": "list", "data": self.cards}
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
-        self._check(request, model)
+        self._authorize(request)
+        self._backend(model, "models")
         return next(c for c in self.cards if c["id"] == model)
 
-    async def _respond(self, backend, method: str, req):
-        if not getattr(req, "stream", False):
-            result = await backend.call(method, req)
+    @api.post("/v1/completions")
+    @api.post("/v1/chat/completions")
+    @api.post("/v1/embeddings")
+    @api.post("/tokenize")
+    @api.post("/detokenize")
+    async def post(self, request: Request):
+        self._authorize(request)
+        endpoint = ROUTES[request.scope["route"].path]
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise OpenAIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(
+                f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+            )
+        backend = self._backend(body.get("model"), endpoint)
+        if body.get("stream") is not True:
+            result = await backend.call(endpoint, body)
             return error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
-        gen = backend.stream(method, req)
+        gen = backend.stream(endpoint, body)
         first = await gen.__anext__()
-        if isinstance(first, OpenAIError):
+        if isinstance(first, OpenAIError):  # refused before the first token: a plain error response
             await _close(gen)
             return error_response(first)
 
         async def sse():
             try:
-                yield f"data: {json.dumps(first)}\n\n"
+                yield _sse(first)
                 async for chunk in gen:
-                    failed = isinstance(chunk, OpenAIError)
-                    yield f"data: {json.dumps(chunk.body() if failed else chunk)}\n\n"
-                    if failed:
-                        return
+                    yield _sse(chunk)
+                    if isinstance(chunk, OpenAIError):
+                        break
                 yield "data: [DONE]\n\n"
             finally:
                 await _close(gen)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
-
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._respond(self._check(request, body.model), "completions", body)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        return await self._respond(self._check(request, body.model), "chat", body)
-
-    @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingRequest, request: Request):
-        return await self._respond(self._check(request, body.model), "embeddings", body)
 
     @api.get("/health")
     async def health(self):
@@ -314,7 +246,7 @@ def _deployment_name(model_id: str) -> str:
 
 # Serve runs user code and handle routing on extra threads/loops by default; on small hosts each thread
 # hop adds latency. These replicas keep everything on the replica's own event loop (the engine's model
-# steps still run off-loop, in a worker thread or in the engine worker actors).
+# steps still run off-loop, in a worker thread, the engine worker actors or vLLM's engine core).
 FAST_PATH_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
@@ -346,7 +278,7 @@ def _server_options(config: LLMConfig) -> dict[str, Any]:
 
 
 def build_llm_deployment(llm_config: LLMConfig | dict, *, name_prefix: str | None = None):
-    """One model as a Serve application (its handle serves `completions`, `chat`, `embeddings` ...)."""
+    """One model as a Serve application (its handle serves `handle(endpoint, body)`, `handle_stream`...)."""
     config = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig.from_dict(llm_config)
     config.check_model_source()
     opts = _server_options(config)
@@ -362,7 +294,8 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     replica); otherwise an `LLMRouter` ingress forwards to one `LLMServer:<model_id>` deployment per model
     (see `LLMServingArgs.single_deployment`).
 
-    Every config is validated (topology, tensor_parallel_size, model directory) before anything starts.
+    Every config is validated (topology, tensor_parallel_size, model source, engine_kwargs) before
+    anything starts.
     """
     args = (
         llm_serving_args
@@ -372,14 +305,13 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     for config in args.llm_configs:
         config.check_model_source()
     model_ids = [c.model_id for c in args.llm_configs]
-    mmls = [c.engine_kwargs.get("max_model_len") for c in args.llm_configs]
     if args.one_deployment:  # one deployment, named like the model's LLMServer, with the model's options
         (config,) = args.llm_configs
         ingress = _deployment(LLMRouter).options(**_server_options(config))
-        return ingress.bind([config], model_ids, mmls, args.api_key)
+        return ingress.bind([config], model_ids, args.api_key)
     servers = [build_llm_deployment(c) for c in args.llm_configs]
     ingress_opts: dict[str, Any] = {"max_ongoing_requests": 2048, "ray_actor_options": {"num_cpus": 0}}
     ingress_opts.update(args.ingress_deployment_config)
     ingress_opts["ray_actor_options"] = _with_fast_path(ingress_opts.get("ray_actor_options") or {})
     ingress = _deployment(LLMRouter).options(name="LLMRouter", **ingress_opts)
-    return ingress.bind(servers, model_ids, mmls, args.api_key)
+    return ingress.bind(servers, model_ids, args.api_key)

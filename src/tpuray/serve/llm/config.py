@@ -7,7 +7,6 @@ placement group is reserved. The seed's dicts are accepted as-is.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -51,7 +50,9 @@ IGNORED_ENGINE_KWARGS = {
 
 @dataclass
 class ModelLoadingConfig:
-    """Which model to serve: `model_id` is the public name; `model_source` a local directory."""
+    """Which model to serve: `model_id` is the public name; `model_source` a local directory, a Hugging
+    Face Hub id or a URL (gs://, s3://, file://; see tpuray.serve.llm.model_source); None: model_id is
+    the Hub id."""
 
     model_id: str
     model_source: str | None = None
@@ -63,13 +64,9 @@ class ModelLoadingConfig:
         for name in ("model_source", "tokenizer_source"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ConfigError(f"{name} must be a local path string, got {value!r}")
+                raise ConfigError(f"{name} must be a path, Hub id or URL string, got {value!r}")
             if value is not None:
                 setattr(self, name, str(value))
-
-    @property
-    def local_path(self) -> str:
-        return self.model_source or self.model_id
 
 
 def _as_model_loading_config(value: Any) -> ModelLoadingConfig:
@@ -97,6 +94,7 @@ class LLMConfig:
     topology: SliceTopology | None = field(init=False, default=None, repr=False)  # None: no TPU slice
     chips_per_worker: int = field(init=False, default=1, repr=False)
     tensor_parallel_size: int = field(init=False, default=1, repr=False)
+    engine: str = field(init=False, default="embedded", repr=False)  # "vLLM" | "embedded", resolved here
 
     def __post_init__(self) -> None:
         self.model_loading_config = _as_model_loading_config(self.model_loading_config)
@@ -109,6 +107,23 @@ class LLMConfig:
             self.placement_group_config = dict(self.placement_group_config)
         self._validate_accelerator()
         self._validate_engine_kwargs()
+        self.engine = self._resolve_engine()
+        if self.engine == "vLLM" and self.chips_per_worker != 1:
+            raise ConfigError(
+                f"bundle_per_worker TPU={self.chips_per_worker} is not supported with vLLM: its Ray executor "
+                "runs one worker per chip; valid: 1"
+            )
+
+    def _resolve_engine(self) -> str:
+        """llm_engine "auto" is vLLM where it imports (in this process), else the embedded engine;
+        embedding models (task "embed") always run in tpuray's embedding model."""
+        if self.task == "embed" or self.llm_engine == "embedded":
+            return "embedded"
+        if self.llm_engine == "vLLM":
+            return "vLLM"
+        from tpuray.serve.llm.engine import vllm_available
+
+        return "vLLM" if vllm_available() else "embedded"
 
     # -- validation ------------------------------------------------------------------------------------
     def _validate_accelerator(self) -> None:
@@ -171,24 +186,26 @@ class LLMConfig:
     def _validate_engine_kwargs(self) -> None:
         kw = self.engine_kwargs
         chips = self.num_workers
-        tp = check_positive_int("tensor_parallel_size", kw.get("tensor_parallel_size", chips))
-        if tp != chips:
+        pp = check_positive_int("pipeline_parallel_size", kw.get("pipeline_parallel_size", 1))
+        tp = check_positive_int("tensor_parallel_size", kw.get("tensor_parallel_size", chips // pp))
+        if tp * pp != chips:
             where = (
                 f"{self.topology.topology} {self.topology.generation.name} slice reserves "
                 f"{self.topology.num_chips} chips / {self.chips_per_worker} per worker = {chips} workers"
                 if self.topology
                 else "no accelerator_config means one CPU worker"
             )
+            pp_text = f" x pipeline_parallel_size={pp}" if pp != 1 else ""
             raise ConfigError(
-                f"tensor_parallel_size={tp} must equal the workers per replica: {where}; valid: {chips}"
+                f"tensor_parallel_size={tp}{pp_text} must equal the workers per replica: {where}; valid: {chips}"
             )
         self.tensor_parallel_size = tp
         if kw.get("max_model_len") is not None:
             check_positive_int("max_model_len", kw["max_model_len"])
         check_positive_int("max_num_seqs", kw.get("max_num_seqs", 1))
         check_choice("task", kw.get("task", "generate"), TASKS)
-        if self.llm_engine != "vLLM":  # the embedded engine may run it: its own limits apply
-            self._validate_embedded_kwargs()
+        if self.llm_engine == "embedded" or (self.llm_engine == "auto" and not _vllm_importable()):
+            self._validate_embedded_kwargs()  # the embedded engine runs it: its own limits apply
 
     def _validate_embedded_kwargs(self) -> None:
         kw = self.engine_kwargs
@@ -219,20 +236,23 @@ class LLMConfig:
     def task(self) -> str:
         return self.engine_kwargs.get("task", "generate")
 
+    @property
+    def model_source(self) -> str:
+        """Where the weights come from: model_source, else model_id (a Hub id, as in Ray Serve LLM)."""
+        return self.model_loading_config.model_source or self.model_id
+
     def check_model_source(self) -> None:
-        """The model must be a local directory with a config.json (there is no hub download)."""
-        path = Path(self.model_loading_config.local_path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model {self.model_id!r}: model_source {str(path)!r} is not a local model directory with a "
-                "config.json; tpuray serves local checkpoints only (build one with "
-                "tpuray.models.build_tiny_causal_lm or save_pretrained)"
-            )
+        """The model can be loaded (local directory, Hub id or URL: see model_source.py) and fits this
+        config (tensor_parallel_size divides its heads, max_model_len within its positions). Reads only
+        config.json."""
+        from tpuray.serve.llm import model_source
+
+        model_source.check(self.model_source, f"model {self.model_id!r}: model_source")
         if self.task != "generate":
             return
-        cfg = json.loads((path / "config.json").read_text())
-        heads = cfg.get("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads", heads)
+        cfg = model_source.read_config(self.model_source)
+        heads: int = cfg.get("num_attention_heads") or 0
+        kv_heads: int = cfg.get("num_key_value_heads") or heads
         tp = self.tensor_parallel_size
         if heads and (heads % tp or kv_heads % tp):
             valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
@@ -246,6 +266,10 @@ class LLMConfig:
             raise ConfigError(
                 f"max_model_len={mml} exceeds the model's max_position_embeddings={limit}; valid: 1..{limit}"
             )
+        if self.engine == "vLLM":
+            from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
+
+            split_engine_kwargs(self)  # ConfigError names an engine_kwargs key vLLM does not know
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LLMConfig:
@@ -312,3 +336,9 @@ class LLMServingArgs:
         if self.single_deployment is not None:
             return self.single_deployment
         return len(self.llm_configs) == 1 and not self.ingress_deployment_config
+
+
+def _vllm_importable() -> bool:
+    from tpuray.serve.llm.engine import vllm_available
+
+    return vllm_available()

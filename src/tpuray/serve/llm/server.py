@@ -1,8 +1,10 @@
-"""The OpenAI semantics of one served model, over an engine: prompts -> sequences -> response dicts.
+"""The OpenAI semantics of a model on the embedded engine: prompts -> sequences -> response dicts.
 
-`ModelServer` is plain Python (no Serve): the `LLMServer` deployment wraps it, and benchmarks call it
-directly to measure the engine without HTTP. Prompt length is checked against max_model_len here, before
-any sequence is queued.
+`ModelServer` is plain Python (no Serve): the `LLMServer` replica wraps it (see replica.py for the
+backend interface), and benchmarks call it directly to measure the engine without HTTP. Requests arrive
+as JSON dicts and are validated with tpuray's protocol (protocol.py); prompt length is checked against
+max_model_len before any sequence is queued. (A vLLM model uses vLLM's own OpenAI layer instead:
+vllm_server.py.)
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine import create_engine
+from tpuray.serve.llm.engine.embedded import EmbeddedEngine
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
-    model_card,
+    TokenizeRequest,
     new_id,
     now,
+    parse_request,
     usage,
 )
+from tpuray.serve.llm.replica import EngineBackend
 
 
 class Job(NamedTuple):
@@ -45,18 +50,65 @@ class Choice(NamedTuple):
     prompt_tokens: int
 
 
-class ModelServer:
+class ModelServer(EngineBackend):
     def __init__(self, config: LLMConfig, **engine_options: Any):
         self.config = config
-        self.engine = create_engine(config, **engine_options)
+        self.engine = EmbeddedEngine(config, **engine_options)
         self.created = now()
 
-    @property
-    def model_id(self) -> str:
-        return self.config.model_id
+    async def start(self) -> None:
+        """Nothing to start beyond the constructor (the backend interface of replica.py)."""
 
-    def card(self) -> dict[str, Any]:
-        return model_card(self.model_id, self.created, self.engine.max_model_len)
+    def check_health(self) -> None:
+        import ray
+
+        if isinstance(self.engine.error, ray.exceptions.RayActorError):
+            raise RuntimeError(f"engine worker died: {self.engine.error}")
+
+    # -- requests (dicts) -------------------------------------------------------------------------------
+    async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        if endpoint == "completions":
+            return await self.completions(parse_request(CompletionRequest, body))
+        if endpoint == "chat":
+            return await self.chat(parse_request(ChatCompletionRequest, body))
+        if endpoint == "tokenize":
+            return self.tokenize(parse_request(TokenizeRequest, body))
+        if endpoint == "detokenize":
+            return self.detokenize(parse_request(DetokenizeRequest, body))
+        raise OpenAIError(
+            f"model `{self.model_id}` does not support {endpoint}; it serves text generation", param="model"
+        )
+
+    async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        if endpoint == "completions":
+            stream = self.completions_stream(parse_request(CompletionRequest, body))
+        elif endpoint == "chat":
+            stream = self.chat_stream(parse_request(ChatCompletionRequest, body))
+        else:
+            yield await self.handle(endpoint, body)
+            return
+        async for chunk in stream:
+            yield chunk
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize shape: {count, max_model_len, tokens, token_strs}."""
+        self._check_model(req)
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = self.engine.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = self.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize shape: {prompt}."""
+        self._check_model(req)
+        vocab = len(self.engine.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
     # -- request -> sequences ---------------------------------------------------------------------------
     def _params(self, req, prompt_len: int, param: str, default_max: int | None) -> SamplingParams:
@@ -105,7 +157,7 @@ class ModelServer:
         return [Job(i, ids, params, i) for i in range(req.n)]
 
     def _check_model(self, req) -> None:
-        if req.model != self.model_id:
+        if req.model is not None and req.model != self.model_id:
             raise OpenAIError(
                 f"The model `{req.model}` does not exist.", 404, param="model", code="model_not_found"
             )

@@ -49,10 +49,13 @@ class EmbeddedEngine(PromptEncoder):
     ):
         from transformers import AutoTokenizer
 
+        from tpuray.serve.llm import model_source
+
         config.check_model_source()
         self.config = config
-        path = Path(config.model_loading_config.local_path).expanduser()
-        tok_path = config.model_loading_config.tokenizer_source or str(path)
+        path = Path(model_source.resolve(config.model_source))
+        tokenizer = config.model_loading_config.tokenizer_source
+        tok_path = model_source.resolve(tokenizer) if tokenizer else str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         model_cfg = json.loads((path / "config.json").read_text())
         self.max_model_len = config.engine_kwargs.get("max_model_len") or model_cfg.get(

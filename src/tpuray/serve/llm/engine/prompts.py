@@ -16,6 +16,10 @@ class PromptEncoder:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)

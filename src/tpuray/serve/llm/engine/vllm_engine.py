@@ -1,68 +1,184 @@
-"""vLLM adapter (used only when `import vllm` works, e.g. vllm-tpu on a real slice).
+"""vLLM as the engine of one served model: `VLLMEngine` starts vLLM's AsyncLLM on the replica's slice.
 
-vLLM's own Ray executor places its workers; tpuray hands it the model directory and engine_kwargs
-unchanged. Not exercised by tests on machines without vLLM.
+With a TPU slice (accelerator_config), the engine reserves it with `tpuray.SlicePlacementGroup`, one
+bundle `{"TPU": 1, "CPU": 1}` per chip, and hands that placement group to vLLM's Ray executor
+(`parallel_config.placement_group`, as Ray Serve LLM does with its own), so tensor_parallel_size spans
+the slice's chips: one vLLM worker per chip, TPU_VISIBLE_CHIPS set by Ray. On a real slice vLLM's TPU
+platform (vllm-tpu / vLLM-TorchTPU) computes; on an EMULATED slice tpuray's vLLM platform plugin
+(vllm_plugin.py) runs vLLM's CPU backend in those per-chip worker processes, and describe() and the logs
+say so. Without an accelerator_config vLLM runs on this machine's CPU with its own executor.
+
+The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_server).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import os
 from typing import Any
 
+from tpuray.constants import VLLM_PLATFORM_ENV
+from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.prompts import PromptEncoder
-from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.serve.llm.engine.scheduler import SeqOutput
+from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
+from tpuray.serve.llm.engine.vllm_plugin import EMULATED_TPU
+from tpuray.validation import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB per worker) or, without it, from
+# gpu_memory_utilization x host memory (default 0.92: all of it). Without either, tpuray asks for this.
+DEFAULT_CPU_KVCACHE_GIB = "1"
 
 
-class VLLMEngine(PromptEncoder):
-    def __init__(self, config: LLMConfig, **_: Any):
-        from transformers import AutoTokenizer
-        from vllm import AsyncEngineArgs, AsyncLLMEngine
+class VLLMEngine:
+    """One model's vLLM engine (AsyncLLM), and the slice its workers run on."""
 
-        config.check_model_source()
+    def __init__(self, config: LLMConfig, *, reservation_timeout_s: float = 120.0) -> None:
+        import ray
+
         self.config = config
-        path = config.model_loading_config.local_path
-        kwargs = {k: v for k, v in config.engine_kwargs.items() if k != "task"}
-        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
-        self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_loading_config.tokenizer_source or path)
-        self.max_model_len = kwargs.get("max_model_len") or self.tokenizer.model_max_length
-        self._next = 0
+        self.spg: Any = None
+        self.client: Any = None
+        self.emulated = False
+        self.engine_args, self.frontend_args = split_engine_kwargs(config)
+        try:
+            if config.topology is not None:
+                self._reserve(reservation_timeout_s)
+            path = self._model_path()
+            self._start(path, ray.get_runtime_context().gcs_address if ray.is_initialized() else None)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start ----------------------------------------------------------------------------------------
+    def _reserve(self, timeout_s: float) -> None:
+        from tpuray.slices import SlicePlacementGroup, list_slices
+
+        topo = self.config.topology
+        assert topo is not None
+        backend = self.engine_args.setdefault("distributed_executor_backend", "ray")
+        if backend != "ray":
+            raise ConfigError(
+                f"engine_kwargs['distributed_executor_backend']={backend!r}: on a TPU slice vLLM's workers run "
+                "on the slice's chips through its Ray executor; valid: 'ray'"
+            )
+        self.spg = SlicePlacementGroup(
+            topology=topo.topology,
+            accelerator_version=topo.generation.name,
+            resources_per_bundle={"TPU": 1, "CPU": 1},
+            timeout_s=timeout_s,
+        )
+        emulated = {s.name for s in list_slices() if s.emulated}
+        self.emulated = bool(set(self.spg.slice_names) & emulated)
+        if self.emulated:
+            os.environ[VLLM_PLATFORM_ENV] = EMULATED_TPU  # this process and vLLM's engine core
+
+    def _model_path(self) -> str:
+        source = self.config.model_source
+        if self.spg is None:
+            return model_source.resolve(source)
+        per_host = self.spg.num_bundles // self.spg.num_hosts
+        return model_source.resolve_on_hosts(
+            source, self.spg.placement_group, list(range(0, self.spg.num_bundles, per_host))
+        )
+
+    def _start(self, path: str, ray_address: str | None) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor.abstract import Executor
+
+        cfg = self.config
+        if ray_address:  # vLLM's engine core is a Ray driver of its own: it must join this cluster
+            os.environ["RAY_ADDRESS"] = ray_address
+        if "gpu_memory_utilization" not in self.engine_args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            if self._cpu_backend():
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+                logger.info(
+                    "%s: vLLM CPU backend KV cache %s GiB per worker", cfg.model_id, DEFAULT_CPU_KVCACHE_GIB
+                )
+        tokenizer = cfg.model_loading_config.tokenizer_source
+        self.args = AsyncEngineArgs(
+            model=path,
+            tokenizer=model_source.resolve(tokenizer) if tokenizer else None,
+            served_model_name=[cfg.model_id],
+            **self.engine_args,
+        )
+        self._clear_platform_cache()
+        vllm_config = self.args.create_engine_config()
+        if self.spg is not None:
+            vllm_config.parallel_config.placement_group = self.spg.placement_group
+        self.client = AsyncLLM(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=not self.args.disable_log_stats,
+            log_requests=self.args.enable_log_requests,
+        )
+        self.vllm_config = vllm_config
+        logger.info("%s: vLLM engine up: %s", cfg.model_id, self.where())
+
+    @staticmethod
+    def _cpu_backend() -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+
+    @staticmethod
+    def _clear_platform_cache() -> None:
+        """vLLM resolves its platform once per process; resolve again now that the env is set."""
+        import vllm.platforms
+
+        if getattr(vllm.platforms, "_current_platform", None) is not None:
+            vllm.platforms._current_platform = None
+
+    # -- info -----------------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.vllm_config.model_config.max_model_len)
+
+    def where(self) -> str:
+        tp = self.config.tensor_parallel_size
+        if self.spg is None:
+            return f"tensor_parallel_size={tp} on this machine's CPU (vLLM CPU backend)"
+        kind = (
+            "EMULATED TPU chips: vLLM's CPU backend in per-chip worker processes" if self.emulated else "TPU"
+        )
+        return f"tensor_parallel_size={tp}, one vLLM worker per chip of {self.spg!r} ({kind})"
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "vLLM", "model": self.config.model_id, "max_model_len": self.max_model_len}
+        import vllm
+        from vllm.platforms import current_platform
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, index: int = 0
-    ) -> AsyncIterator[SeqOutput]:
-        from vllm import SamplingParams as VSamplingParams
+        bundles: list[str] = []
+        if self.spg is not None:
+            from ray.util.placement_group import placement_group_table
 
-        seed = None if params.seed is None else params.seed * 1_000_003 + index
-        vparams = VSamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            stop=params.stop or None,
-            seed=seed,
-        )
-        self._next += 1
-        sent_text, sent_tokens = 0, 0
-        async for out in self.engine.generate(
-            {"prompt_token_ids": prompt_ids}, vparams, f"tpuray-{self._next}"
-        ):
-            c = out.outputs[0]
-            yield SeqOutput(
-                c.text[sent_text:],
-                list(c.token_ids[sent_tokens:]),
-                out.finished,
-                c.finish_reason if out.finished else None,
-                len(prompt_ids),
-                len(c.token_ids),
-            )
-            sent_text, sent_tokens = len(c.text), len(c.token_ids)
+            table = placement_group_table(self.spg.placement_group)
+            bundles = [table["bundles_to_node_id"].get(i, "") for i in range(self.spg.num_bundles)]
+        return {
+            "engine": "vLLM",
+            "vllm_version": vllm.__version__,
+            "platform": type(current_platform).__name__,
+            "model": self.config.model_id,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "max_model_len": self.max_model_len,
+            "slice": repr(self.spg) if self.spg is not None else None,
+            "worker_nodes": bundles,  # the node of each per-chip worker (bundle order)
+            "emulated": self.emulated,
+            "where": self.where(),
+        }
+
+    async def check_health(self) -> None:
+        await self.client.check_health()
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown:
-            shutdown()
+        """Stop vLLM (engine core and its workers) and release the slice. Idempotent."""
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.shutdown()
+            except Exception:  # noqa: BLE001 - the slice must be released anyway
+                logger.exception("vLLM engine shutdown failed")
+        spg, self.spg = self.spg, None
+        if spg is not None:
+            spg.shutdown()

@@ -1,0 +1,128 @@
+"""`LLMServer`: one model replica (its engine and TPU slice) behind a uniform request interface.
+
+A backend serves one model and takes requests as JSON dicts, parsed by its own protocol:
+- `VLLMServer` (vllm_server.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
+- `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
+- `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
+
+Every backend has `start()`, `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
+(dict chunks or preformatted SSE strings), raising OpenAIError for a bad request; `card()`,
+`describe()`, `check_health()`, `shutdown()`. Endpoints: "completions", "chat", "embeddings",
+"tokenize", "detokenize".
+
+Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
+instead of raising it, so a bad request costs no exception traceback in the replica log.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.protocol import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineBackend:
+    """What a generating backend shares: `config`, `engine` (with `max_model_len`, `describe()`), `created`."""
+
+    config: LLMConfig
+    engine: Any
+    created: int
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def card(self) -> dict[str, Any]:
+        from tpuray.serve.llm.protocol import model_card
+
+        return model_card(self.model_id, self.created, self.max_model_len)
+
+    def describe(self) -> dict[str, Any]:
+        return self.engine.describe()
+
+
+def create_backend(config: LLMConfig) -> Any:
+    """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
+    if config.task == "embed":
+        from tpuray.serve.llm.embeddings import EmbeddingModel
+
+        return EmbeddingModel(config)
+    if config.engine == "vLLM":
+        from tpuray.serve.llm.vllm_server import VLLMServer
+
+        return VLLMServer(config)
+    from tpuray.serve.llm.server import ModelServer
+
+    return ModelServer(config)
+
+
+class LLMServer:
+    """One model replica. Serve awaits its async constructor; elsewhere use `await LLMServer.create(cfg)`."""
+
+    async def __init__(self, llm_config: LLMConfig) -> None:  # type: ignore[misc]
+        await self._start(llm_config)
+
+    @classmethod
+    async def create(cls, llm_config: LLMConfig) -> LLMServer:
+        server = cls.__new__(cls)
+        await server._start(llm_config)
+        return server
+
+    async def _start(self, llm_config: LLMConfig) -> None:
+        self.config = llm_config
+        self.backend: Any = None
+        backend = create_backend(llm_config)
+        try:
+            await backend.start()
+        except BaseException:
+            backend.shutdown()
+            raise
+        self.backend = backend
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+    def card(self) -> dict[str, Any]:
+        return self.backend.card()
+
+    def describe(self) -> dict[str, Any]:
+        return self.backend.describe()
+
+    async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+        try:
+            return await self.backend.handle(endpoint, body)
+        except OpenAIError as e:
+            return e
+
+    async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        try:
+            async for chunk in self.backend.handle_stream(endpoint, body):
+                yield chunk
+        except OpenAIError as e:
+            yield e
+
+    async def check_health(self) -> None:
+        """Serve restarts the replica (and so re-reserves its slice) when the engine died."""
+        result = self.backend.check_health()
+        if inspect.isawaitable(result):
+            await result
+
+    def shutdown(self) -> None:
+        """Stop the engine: its workers and the replica's slice (idempotent)."""
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            self.backend = None
+            backend.shutdown()
+
+    __del__ = shutdown
