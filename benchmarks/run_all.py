@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["topology", "slices", "collectives", "device", "train", "serve", "serve_vs_ray"]
+ORDER = ["topology", "slices", "collectives", "device", "train", "serve", "serve_vs_ray", "sampling"]
 
 
 def main(argv: list[str]) -> int:

@@ -342,3 +342,164 @@ def test_single_model_app_is_one_deployment(single, client):
         c.completions.create(model="tiny", prompt="word " * MAX_MODEL_LEN * 2, max_tokens=1, stream=True)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "x"}]
+# (path, request fields on top of a valid request, the param the 400 must name)
+BAD_REQUESTS = [
+    (C, {"logprobs": -3}, "logprobs"),
+    (C, {"logprobs": 21}, "logprobs"),
+    (C, {"logprobs": 1.5}, "logprobs"),
+    (C, {"logprobs": True}, "logprobs"),
+    (C, {"echo": "yes"}, "echo"),
+    (C, {"stream": "maybe"}, "stream"),
+    (C, {"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    (C, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (C, {"stream": True, "stream_options": {"bogus": True}}, "stream_options.bogus"),
+    (C, {"n": 0.5}, "n"),
+    (C, {"n": 0}, "n"),
+    (C, {"n": 129}, "n"),
+    (C, {"n": "2"}, "n"),
+    (C, {"max_tokens": 0}, "max_tokens"),
+    (C, {"max_tokens": 2.5}, "max_tokens"),
+    (C, {"max_tokens": True}, "max_tokens"),
+    (C, {"temperature": -0.1}, "temperature"),
+    (C, {"temperature": "hot"}, "temperature"),
+    (C, {"top_p": 0}, "top_p"),
+    (C, {"top_p": 1.5}, "top_p"),
+    (C, {"top_k": -2}, "top_k"),
+    (C, {"top_k": 1.5}, "top_k"),
+    (C, {"min_p": 1.5}, "min_p"),
+    (C, {"min_p": -0.1}, "min_p"),
+    (C, {"presence_penalty": 2.5}, "presence_penalty"),
+    (C, {"presence_penalty": -3}, "presence_penalty"),
+    (C, {"frequency_penalty": 9}, "frequency_penalty"),
+    (C, {"repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"repetition_penalty": 3}, "repetition_penalty"),
+    (C, {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    (C, {"logit_bias": {"5": "up"}}, "logit_bias.5"),
+    (C, {"logit_bias": {"five": 1}}, "logit_bias"),
+    (C, {"logit_bias": {"999999": 1}}, "logit_bias"),
+    (C, {"logit_bias": [1, 2]}, "logit_bias"),
+    (C, {"stop_token_ids": [999999]}, "stop_token_ids"),
+    (C, {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
+    (C, {"stop": 5}, "stop"),
+    (C, {"stop": [1, 2]}, "stop"),
+    (C, {"seed": "x"}, "seed"),
+    (C, {"seed": 1.5}, "seed"),
+    (C, {"suffix": "tail"}, "suffix"),
+    (C, {"best_of": 3}, "best_of"),
+    (C, {"best_of": 0}, "best_of"),
+    (C, {"user": 5}, "user"),
+    (C, {"prompt": 5}, "prompt"),
+    (C, {"prompt": [999999]}, "prompt"),
+    (C, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (C, {"response_format": {"type": "json_schema"}}, "response_format"),
+    (C, {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}}, "response_format.json_schema.name"),
+    (C, {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    (C, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    (C, {"response_format": "json"}, "response_format"),
+    (CH, {"logprobs": "yes"}, "logprobs"),
+    (CH, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CH, {"top_logprobs": 2}, "top_logprobs"),
+    (CH, {"max_completion_tokens": 0}, "max_completion_tokens"),
+    (CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CH, {"tool_choice": "required"}, "tool_choice"),
+    (CH, {"parallel_tool_calls": True}, "parallel_tool_calls"),
+    (CH, {"functions": [{"name": "f"}]}, "functions"),
+    (CH, {"function_call": "auto"}, "function_call"),
+    (CH, {"modalities": ["text", "audio"]}, "modalities"),
+    (CH, {"audio": {"voice": "alloy"}}, "audio"),
+    (CH, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
+    (CH, {"service_tier": "flex"}, "service_tier"),
+    (CH, {"store": True}, "store"),
+    (CH, {"metadata": {"k": "v"}}, "metadata"),
+    (CH, {"web_search_options": {}}, "web_search_options"),
+    (CH, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages.0.extra"),
+    (CH, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    (CH, {"stream": 1}, "stream"),
+]  # fmt: skip
+
+
+def test_bad_requests_are_400s_naming_the_param_and_the_server_keeps_serving(server):
+    """Every field is either honoured or refused: wrong types, out-of-range values and fields this
+    engine cannot honour each get a 400 naming the field."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert len(BAD_REQUESTS) >= 60
+    with httpx.Client(base_url=server, headers=headers, timeout=60) as http:
+        for path, extra, param in BAD_REQUESTS:
+            valid = {
+                "model": "tiny",
+                "max_tokens": 2,
+                **({"prompt": "x"} if path == C else {"messages": MSG}),
+            }
+            r = http.post(path, json={**valid, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.json())
+        ok = http.post(C, json={"model": "tiny", "prompt": "x", "max_tokens": 2, "unknown_field": 1})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_tp4_logprobs_equal_transformers(client, tiny_model_dir):
+    """Logprobs from the 4-way sharded engine on the emulated slice equal transformers' log_softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tok("Hello world").input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for value in lp.token_logprobs:
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            token = int(ref.argmax())
+            assert abs(value - ref[token].item()) < 1e-4
+            ids.append(token)
+    assert len(lp.token_logprobs) == 6
+
+
+def _scrape(server: str) -> dict[str, dict]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server + "/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _total(samples: dict[str, dict], name: str, **labels: str) -> float:
+    return sum(
+        v for k, v in samples.get(name, {}).items() if all(dict(k).get(a) == b for a, b in labels.items())
+    )
+
+
+def test_metrics_parse_and_counters_move(server, client):
+    before = _scrape(server)
+    client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, temperature=0, extra_body={"min_p": 0.0}
+    )
+    after = _scrape(server)
+    m = {"model_name": "tiny"}
+    assert (
+        _total(after, "vllm:generation_tokens_total", **m)
+        - _total(before, "vllm:generation_tokens_total", **m)
+        >= 5
+    )
+    assert _total(after, "vllm:prompt_tokens_total", **m) > _total(before, "vllm:prompt_tokens_total", **m)
+    assert _total(after, "vllm:time_to_first_token_seconds_count", **m) > _total(
+        before, "vllm:time_to_first_token_seconds_count", **m
+    )
+    assert _total(after, "vllm:request_success_total", **m) > _total(
+        before, "vllm:request_success_total", **m
+    )
+    ok = _total(after, "http_requests_total", handler="/v1/completions", status="200")
+    assert ok > _total(before, "http_requests_total", handler="/v1/completions", status="200")
+    assert ("vllm:kv_cache_usage_perc" in after) and ("vllm:num_requests_running" in after)

@@ -248,6 +248,15 @@ def test_tokenize_detokenize_and_errors(app, hf):
     assert httpx.post(f"{base}/v1/completions", json={"model": TP4, "prompt": "x"}).status_code == 401
 
 
+def test_vllm_metrics_reach_the_apps_metrics_endpoint(app, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=TP4, prompt="x", max_tokens=3, temperature=0)
+    text = httpx.get(app[0] + "/metrics", timeout=60).text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    assert "vllm:generation_tokens_total" in samples and "http_requests_total" in samples
+
+
 def test_unknown_engine_kwargs_fail_before_reserving(vllm_model_dir):
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
 

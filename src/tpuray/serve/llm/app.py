@@ -20,11 +20,13 @@ import re
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve import Deployment
 
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
+from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
 from tpuray.serve.llm.protocol import OpenAIError
 from tpuray.serve.llm.replica import LLMServer
 from tpuray.validation import ConfigError
@@ -47,6 +49,15 @@ MODEL_OPTIONAL = {"tokenize", "detokenize"}
 def error_response(e: OpenAIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@api.middleware("http")
+async def _count_requests(request: Request, call_next):
+    """http_requests_total{handler, method, status} (metrics.py) for every request."""
+    response = await call_next(request)
+    route = request.scope.get("route")
+    count_http(getattr(route, "path", "unmatched"), request.method, response.status_code)
+    return response
 
 
 @api.exception_handler(OpenAIError)
@@ -76,6 +87,9 @@ class _Remote:
 
     async def card(self) -> dict:
         return await self.handle.card.remote()
+
+    async def metrics(self) -> str:
+        return await self.handle.metrics.remote()
 
 
 class _Local:
@@ -233,6 +247,13 @@ class LLMRouter:
     @api.get("/health")
     async def health(self):
         return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        """Prometheus text format: this replica's metrics and those of each model deployment behind it."""
+        texts = [process_exposition()]
+        texts += [await b.metrics() for b in self.backends.values() if isinstance(b, _Remote)]
+        return PlainTextResponse(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
 
 def _deployment(cls: type) -> Deployment:

@@ -89,7 +89,7 @@ class LLMConfig:
     placement_group_config: dict[str, Any] | None = None
     deployment_config: dict[str, Any] = field(default_factory=dict)
     runtime_env: dict[str, Any] | None = None
-    log_engine_metrics: bool = False
+    log_engine_metrics: bool = True  # engine metrics on /metrics (as Ray Serve LLM's default)
     # Derived at construction (the user's dicts are copied, never rewritten):
     topology: SliceTopology | None = field(init=False, default=None, repr=False)  # None: no TPU slice
     chips_per_worker: int = field(init=False, default=1, repr=False)
@@ -105,6 +105,8 @@ class LLMConfig:
         self.deployment_config = dict(self.deployment_config or {})
         if self.placement_group_config is not None:
             self.placement_group_config = dict(self.placement_group_config)
+        if not isinstance(self.log_engine_metrics, bool):
+            raise ConfigError(f"log_engine_metrics={self.log_engine_metrics!r} is invalid: use true or false")
         self._validate_accelerator()
         self._validate_engine_kwargs()
         self.engine = self._resolve_engine()

@@ -6,11 +6,14 @@ Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -34,13 +37,31 @@ class OpenAIError(Exception):
         return (OpenAIError, (self.message, self.status, self.type, self.param, self.code))
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def _param(loc: tuple) -> str | None:
+    """The request field a pydantic error location names: `stream_options.include_usage`, without
+    pydantic's union-member tags (`prompt.list[int]` -> `prompt`)."""
+    parts = []
+    for p in loc:
+        if p == "body":
+            continue
+        if not isinstance(p, str):  # a list index: messages.0.role
+            parts.append(str(p))
+            continue
+        if "[" in p or p.split("-")[0] in _TYPE_TAGS or p.startswith(("function-", "json-")):
+            continue
+        parts.append(p)
+    return ".".join(parts) or None
+
+
 def error_from_validation(errors: list[dict[str, Any]]) -> OpenAIError:
     """Map pydantic/FastAPI validation errors to one OpenAI 400 error naming the first bad field."""
     if not errors:
         return OpenAIError("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return OpenAIError(
             f"request body is not valid JSON: {first.get('msg', '')}", param=None, code="invalid_json"
@@ -54,21 +75,84 @@ def error_from_validation(errors: list[dict[str, Any]]) -> OpenAIError:
 
 
 StopT = str | list[str] | None
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LOGPROBS_MAX = 20  # vLLM's default max_logprobs
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_matches_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema: {name, schema}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only valid with type 'json_schema', not {self.type!r}")
+        return self
 
 
 class _Request(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, like vLLM does.
-    model_config = ConfigDict(extra="ignore")
+    """Fields common to completions and chat. Strict types: a boolean is not "maybe", an integer is not
+    0.5. Fields OpenAI or vLLM define that this engine cannot honour are refused (`_refuse`); unknown
+    fields are accepted and logged as ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: StopT = None
     seed: int | None = None
-    stream_options: dict[str, Any] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = None
+
+    # field -> why it cannot be honoured here (refused when set to anything but its default)
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="after")
+    def _checks(self) -> _Request:
+        for name, why in self.UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and value is not False and value != []:
+                raise OpenAIError(f"'{name}' is not supported by the embedded engine: {why}", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.model_extra:
+            logger.warning(
+                "The following fields were present in the request but ignored: %s", sorted(self.model_extra)
+            )
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -77,9 +161,27 @@ class _Request(BaseModel):
         return [s for s in stops if s]
 
 
+NOT_IMPLEMENTED = "use llm_engine='vLLM' (vLLM's OpenAI layer supports it)"
+
+
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=LOGPROBS_MAX)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": "the model has no fill-in-the-middle mode"}
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(
+                f"best_of={self.best_of} is not supported by the embedded engine (valid: best_of == n, "
+                f"{self.n}); {NOT_IMPLEMENTED}",
+                param="best_of",
+            )
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -91,10 +193,11 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -113,6 +216,56 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=LOGPROBS_MAX)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "tools": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
+        "functions": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
+        "function_call": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
+        "parallel_tool_calls": "it only applies to tools, which this engine does not call",
+        "audio": "the served models are text-only",
+        "prediction": "predicted outputs are not implemented",
+        "reasoning_effort": "the served models have no reasoning mode",
+        "store": "completions are not stored",
+        "metadata": "it only applies to stored completions (store), which are not kept",
+        "web_search_options": "there is no web search",
+    }
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none"):
+            raise OpenAIError(
+                f"tool_choice={self.tool_choice!r} is not supported by the embedded engine (valid: 'none'); "
+                f"{NOT_IMPLEMENTED}",
+                param="tool_choice",
+            )
+        if self.modalities not in (None, ["text"]):
+            raise OpenAIError(
+                f"modalities={self.modalities!r}: the served models are text-only; valid: ['text']",
+                param="modalities",
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise OpenAIError(
+                f"service_tier={self.service_tier!r}: there is one tier here; valid: 'auto', 'default'",
+                param="service_tier",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
 
 
 class EmbeddingRequest(BaseModel):

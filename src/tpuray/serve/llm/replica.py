@@ -112,6 +112,12 @@ class LLMServer:
         except OpenAIError as e:
             yield e
 
+    def metrics(self) -> str:
+        """This replica process's Prometheus exposition (metrics.py)."""
+        from tpuray.serve.llm.metrics import process_exposition
+
+        return process_exposition()
+
     async def check_health(self) -> None:
         """Serve restarts the replica (and so re-reserves its slice) when the engine died."""
         result = self.backend.check_health()

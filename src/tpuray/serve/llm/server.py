@@ -10,12 +10,14 @@ vllm_server.py.)
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
 from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.params import sampling_params
 from tpuray.serve.llm.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +30,9 @@ from tpuray.serve.llm.protocol import (
     usage,
 )
 from tpuray.serve.llm.replica import EngineBackend
+from tpuray.serve.llm.responses import LogprobFormatter
+
+logger = logging.getLogger(__name__)
 
 
 class Job(NamedTuple):
@@ -48,6 +53,8 @@ class Choice(NamedTuple):
     finish_reason: str | None
     completion_tokens: int
     prompt_tokens: int
+    logprobs: tuple | list = ()  # TokenLogprobs of the generated tokens (when asked for)
+    prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (echo with logprobs)
 
 
 class ModelServer(EngineBackend):
@@ -55,6 +62,7 @@ class ModelServer(EngineBackend):
         self.config = config
         self.engine = EmbeddedEngine(config, **engine_options)
         self.created = now()
+        self.formatter = LogprobFormatter(self.engine.tokenizer)
 
     async def start(self) -> None:
         """Nothing to start beyond the constructor (the backend interface of replica.py)."""
@@ -66,11 +74,17 @@ class ModelServer(EngineBackend):
             raise RuntimeError(f"engine worker died: {self.engine.error}")
 
     # -- requests (dicts) -------------------------------------------------------------------------------
+    def _parse(self, cls: Any, body: dict[str, Any]) -> Any:
+        req = parse_request(cls, body)
+        if req.user:  # OpenAI's end-user id, for monitoring: it goes to the log with the request
+            logger.debug("%s request from user %r", self.model_id, req.user)
+        return req
+
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         if endpoint == "completions":
-            return await self.completions(parse_request(CompletionRequest, body))
+            return await self.completions(self._parse(CompletionRequest, body))
         if endpoint == "chat":
-            return await self.chat(parse_request(ChatCompletionRequest, body))
+            return await self.chat(self._parse(ChatCompletionRequest, body))
         if endpoint == "tokenize":
             return self.tokenize(parse_request(TokenizeRequest, body))
         if endpoint == "detokenize":
@@ -81,9 +95,9 @@ class ModelServer(EngineBackend):
 
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         if endpoint == "completions":
-            stream = self.completions_stream(parse_request(CompletionRequest, body))
+            stream = self.completions_stream(self._parse(CompletionRequest, body))
         elif endpoint == "chat":
-            stream = self.chat_stream(parse_request(ChatCompletionRequest, body))
+            stream = self.chat_stream(self._parse(ChatCompletionRequest, body))
         else:
             yield await self.handle(endpoint, body)
             return
@@ -112,22 +126,7 @@ class ModelServer(EngineBackend):
 
     # -- request -> sequences ---------------------------------------------------------------------------
     def _params(self, req, prompt_len: int, param: str, default_max: int | None) -> SamplingParams:
-        mml = self.engine.max_model_len
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if prompt_len == 0:
-            raise OpenAIError("the prompt is empty", param=param)
-        if prompt_len >= mml or (max_tokens is not None and prompt_len + max_tokens > mml):
-            asked = prompt_len + (max_tokens or 0)
-            raise OpenAIError(
-                f"This model's maximum context length is {mml} tokens. However, you requested {asked} tokens "
-                f"({prompt_len} in the {param}, {max_tokens or 0} in the completion). Please reduce the length "
-                f"of the {param} or completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is None:
-            max_tokens = min(default_max or mml, mml - prompt_len)
-        return SamplingParams(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed)
+        return sampling_params(self.engine, req, prompt_len, param, default_max)
 
     def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
         jobs = []
@@ -165,23 +164,35 @@ class ModelServer(EngineBackend):
     # -- non-streamed -------------------------------------------------------------------------------------
     async def _run_all(self, jobs: list[Job]) -> tuple[list[Choice], int, int]:
         async def run(job: Job) -> Choice:
-            text, reason, n_out = job.echo, None, 0
+            text, reason, n_out, lps, prompt_lps = job.echo, None, 0, [], None
             async for out in self.engine.generate(job.prompt_ids, job.params, job.seed_index):
                 text += out.text
+                lps += out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_lps = out.prompt_logprobs
                 reason, n_out = out.finish_reason, out.completion_tokens
-            return Choice(job.choice, text, reason, n_out, len(job.prompt_ids))
+            return Choice(job.choice, text, reason, n_out, len(job.prompt_ids), lps, prompt_lps)
 
         results = await asyncio.gather(*(run(j) for j in jobs))
         completion_tokens = sum(c.completion_tokens for c in results)
-        return sorted(results), _prompt_tokens(jobs), completion_tokens
+        return sorted(results, key=lambda c: c.choice), _prompt_tokens(jobs), completion_tokens
+
+    def _completion_logprobs(self, req: CompletionRequest, job: Job, records, prompt_records, offset=0):
+        if req.logprobs is None:
+            return None, offset
+        prompt = job.prompt_ids if req.echo and prompt_records is not None else None
+        return self.formatter.completion(records, offset, prompt, prompt_records)
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self._check_model(req)
-        results, pt, ct = await self._run_all(self._completion_jobs(req))
-        choices = [
-            {"index": c.choice, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            for c in results
-        ]
+        jobs = self._completion_jobs(req)
+        results, pt, ct = await self._run_all(jobs)
+        choices = []
+        for c in results:
+            lp, _ = self._completion_logprobs(req, jobs[c.choice], c.logprobs, c.prompt_logprobs)
+            choices.append(
+                {"index": c.choice, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            )
         return {
             "id": new_id("cmpl"),
             "object": "text_completion",
@@ -198,7 +209,7 @@ class ModelServer(EngineBackend):
             {
                 "index": c.choice,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": self.formatter.chat(c.logprobs) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             for c in results
@@ -240,22 +251,41 @@ class ModelServer(EngineBackend):
                 t.cancel()
         yield -1, (_prompt_tokens(jobs), completion)
 
+    def _usage_chunks(self, req, prompt: int, sent: dict[int, int]) -> dict | None:
+        """Usage so far on every chunk, with stream_options.continuous_usage_stats."""
+        opts = req.stream_options
+        if not (opts and opts.include_usage and opts.continuous_usage_stats):
+            return None
+        return usage(prompt, sum(sent.values()))
+
     async def completions_stream(self, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
         jobs = self._completion_jobs(req)  # raises before the first chunk
         base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_id}
         echoed: set[int] = set()
+        offsets = {j.choice: 0 for j in jobs}
+        sent: dict[int, int] = {}
         async for index, out in self._stream_all(jobs):
             if index < 0:
-                if (req.stream_options or {}).get("include_usage"):
+                if req.stream_options and req.stream_options.include_usage:
                     yield {**base, "choices": [], "usage": usage(*out)}
                 return
             text = out.text
             if index not in echoed:
                 echoed.add(index)
                 text = jobs[index].echo + text
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
-            yield {**base, "choices": [choice]}
+            lp, offsets[index] = self._completion_logprobs(
+                req, jobs[index], out.logprobs, out.prompt_logprobs, offsets[index]
+            )
+            sent[index] = out.completion_tokens
+            chunk = {
+                **base,
+                "choices": [
+                    {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                ],
+            }
+            running = self._usage_chunks(req, _prompt_tokens(jobs), sent)
+            yield {**chunk, "usage": running} if running else chunk
 
     async def chat_stream(self, req: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
@@ -269,14 +299,23 @@ class ModelServer(EngineBackend):
         for i in range(req.n):
             delta = {"role": "assistant", "content": ""}
             yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        sent: dict[int, int] = {}
         async for index, out in self._stream_all(jobs):
             if index < 0:
-                if (req.stream_options or {}).get("include_usage"):
+                if req.stream_options and req.stream_options.include_usage:
                     yield {**base, "choices": [], "usage": usage(*out)}
                 return
             delta = {"content": out.text} if out.text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
-            yield {**base, "choices": [choice]}
+            lp = self.formatter.chat(out.logprobs) if req.logprobs else None
+            sent[index] = out.completion_tokens
+            chunk = {
+                **base,
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+                ],
+            }
+            running = self._usage_chunks(req, _prompt_tokens(jobs), sent)
+            yield {**chunk, "usage": running} if running else chunk
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ class EmbeddedEngine(PromptEncoder):
         tok_path = model_source.resolve(tokenizer) if tokenizer else str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         model_cfg = json.loads((path / "config.json").read_text())
+        self.vocab_size = int(model_cfg.get("vocab_size") or len(self.tokenizer))  # the logits' width
         self.max_model_len = config.engine_kwargs.get("max_model_len") or model_cfg.get(
             "max_position_embeddings", 2048
         )
@@ -73,6 +75,17 @@ class EmbeddedEngine(PromptEncoder):
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
+        self.metrics = None
+        if config.log_engine_metrics:
+            from tpuray.serve.llm.metrics import EngineMetrics
+
+            sched = self.scheduler
+            self.metrics = EngineMetrics(config.model_id)
+            self.metrics.bind(
+                lambda: len(sched.running),
+                lambda: len(sched.waiting),
+                lambda: 1.0 - len(sched.free_slots) / self.max_num_seqs,
+            )
         use_actors = config.topology is not None if use_actors is None else use_actors
         if use_actors:
             try:
@@ -127,16 +140,16 @@ class EmbeddedEngine(PromptEncoder):
             "emulated": emulated,
         }
 
-    async def _step(self, batch) -> torch.Tensor:
-        """Logits of one step: from the in-process runner, or from rank 0 of the worker group."""
+    async def _step(self, batch) -> tuple[torch.Tensor, dict]:
+        """(logits, prompt logprobs) of one step: from the in-process runner, or rank 0 of the group."""
         if self.runner is not None:
-            logits = await asyncio.to_thread(self.runner.step, batch)
+            result = await asyncio.to_thread(self.runner.step, batch)
         elif self.group is not None:
-            logits = (await asyncio.gather(*self.group.call("step", batch)))[0]
+            result = (await asyncio.gather(*self.group.call("step", batch)))[0]
         else:
             raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
-        assert logits is not None  # rank 0 returns the logits
-        return logits
+        assert result is not None  # rank 0 returns the logits
+        return result
 
     # -- loop ---------------------------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -157,7 +170,7 @@ class EmbeddedEngine(PromptEncoder):
                 await asyncio.sleep(0.001)
                 continue
             try:
-                logits = await self._step(batch)
+                logits, prompt_lps = await self._step(batch)
             except Exception as e:  # a failed step fails its sequences, the engine keeps serving others
                 logger.exception("engine step failed")
                 self.error = e
@@ -165,9 +178,18 @@ class EmbeddedEngine(PromptEncoder):
                     sched.abort(seq)
                     seq.queue.put_nowait(e)
                 continue
-            sched.process(seqs, logits)
+            sched.process(seqs, logits, prompt_lps)
 
     # -- public API ---------------------------------------------------------------------------------------
+    def grammar(self, schema: dict | None) -> Any:
+        """The compiled grammar of a JSON schema (None: any JSON object) for SamplingParams.grammar;
+        grammar.GrammarError when it cannot compile."""
+        if self.scheduler.grammars is None:
+            from tpuray.serve.llm.engine.grammar import Grammars
+
+            self.scheduler.grammars = Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_ids)
+        return self.scheduler.grammars.compile(schema)
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, index: int = 0
     ) -> AsyncIterator[SeqOutput]:
@@ -179,16 +201,28 @@ class EmbeddedEngine(PromptEncoder):
         self.scheduler.add(seq)
         if self._wakeup is not None:
             self._wakeup.set()
+        m, start = self.metrics, time.perf_counter()
+        last, reason = start, None
+        if m is not None:
+            m.prompt.inc(len(prompt_ids))
         try:
             while True:
                 out = await seq.queue.get()
                 if isinstance(out, BaseException):
                     raise out
+                if m is not None and out.token_ids:
+                    t = time.perf_counter()
+                    (m.ttft if last == start else m.itl).observe(t - last)
+                    m.generation.inc(len(out.token_ids))
+                    last = t
+                reason = out.finish_reason
                 yield out
                 if out.finished:
                     return
         finally:
             self.scheduler.abort(seq)
+            if m is not None:
+                m.finished(reason, time.perf_counter() - start)
 
     def shutdown(self) -> None:
         """Stop the step loop, the workers and the slice reservation. Idempotent."""

@@ -147,10 +147,12 @@ class ShardedLlama:
         lengths: torch.Tensor,
         slots: torch.Tensor,
         cache: KVCache,
+        all_positions: bool = False,
     ) -> torch.Tensor:
         """Run B sequences of (right-padded) new tokens [B, T] starting at positions `starts` [B].
 
-        Writes their K/V into `cache` at `slots` and returns logits of each sequence's last new token [B, V].
+        Writes their K/V into `cache` at `slots` and returns logits of each sequence's last new token
+        [B, V] (with `all_positions`, of every new token: [B, T, V]).
         """
         B, T = tokens.shape
         H, KV, D = self.local_heads, self.local_kv_heads, self.head_dim
@@ -191,5 +193,7 @@ class ShardedLlama:
             if self.all_reduce is not None:
                 self.all_reduce(out)
             h = h + out
+        if all_positions:
+            return self._rms(h, self.norm) @ self.lm_head.T
         last = h[torch.arange(B, device=self.device), lengths - 1]
         return self._rms(last, self.norm) @ self.lm_head.T

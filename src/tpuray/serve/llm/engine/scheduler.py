@@ -2,19 +2,30 @@
 
 Each step the scheduler admits waiting sequences into free KV-cache slots (their whole prompt is the
 step's prefill, bounded by `max_prefill_tokens`), adds one decode token for every running sequence, and
-after the forward samples one token per sequence, detokenizes incrementally, applies stop strings / EOS /
-length limits and frees finished slots.
+after the forward processes the batch's logits (penalties, logit_bias, grammar masks: logits.py), samples
+one token per sequence (sampling.py), records logprobs, detokenizes incrementally, applies stop strings /
+stop tokens / EOS / a completed grammar / length limits and frees finished slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tpuray.serve.llm.engine import grammar as grammar_lib
+from tpuray.serve.llm.engine.logits import (
+    TokenLogprobs,
+    apply_bitmask,
+    apply_logit_bias,
+    apply_penalties,
+    token_logprobs,
+)
 from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
 
 
@@ -28,6 +39,8 @@ class SeqOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None  # first output only, when asked for (echo)
 
 
 @dataclass
@@ -45,10 +58,17 @@ class Sequence:
     read_offset: int = 0
     sent_tokens: int = 0
     finished: bool = False
+    matcher: Any = None  # the grammar matcher when params.grammar constrains the output
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -59,8 +79,10 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         max_prefill_tokens: int = 4096,
+        grammars: Any = None,
     ):
         self.tokenizer = tokenizer
+        self.grammars = grammars  # grammar.Grammars (made by the engine when a request first needs one)
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max(max_prefill_tokens, max_model_len)
@@ -70,6 +92,8 @@ class Scheduler:
         self._ids = itertools.count()
 
     def add(self, seq: Sequence) -> None:
+        if seq.params.grammar is not None and seq.matcher is None:
+            seq.matcher = self.grammars.matcher(seq.params.grammar)
         seq.seq_id = next(self._ids)
         self.waiting.append(seq)
 
@@ -84,7 +108,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], list[tuple[int, list[int], int]]]:
+    def schedule(self) -> tuple[list[Sequence], list[tuple[int, list[int], int, int | None]]]:
         """The sequences of the next step and the worker batch (slot, new tokens, start position)."""
         budget = self.max_prefill_tokens
         while self.waiting and self.free_slots and len(self.waiting[0].prompt_ids) <= budget:
@@ -92,26 +116,72 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             budget -= len(seq.prompt_ids)
             self.running.append(seq)
-        batch = []
+        batch: list[tuple[int, list[int], int, int | None]] = []
         for seq in self.running:
             if seq.output_ids:
-                batch.append((seq.slot, seq.output_ids[-1:], seq.num_tokens - 1))
+                batch.append((seq.slot, seq.output_ids[-1:], seq.num_tokens - 1, None))
             else:
-                batch.append((seq.slot, seq.prompt_ids, 0))
+                batch.append((seq.slot, seq.prompt_ids, 0, seq.params.prompt_logprobs))
         return list(self.running), batch
 
-    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per sequence, emit outputs, retire finished sequences."""
-        tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for seq, token in zip(seqs, tokens, strict=True):
+    def _processed(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The logits each row samples from: penalties, logit_bias and grammar masks applied."""
+        params = [s.params for s in seqs]
+        penal = [i for i, p in enumerate(params) if p.penalized]
+        biased = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.finished]
+        if not (penal or biased or constrained):
+            return logits
+        out = logits.clone()
+        apply_penalties(
+            out,
+            penal,
+            [seqs[i].prompt_ids for i in penal],
+            [seqs[i].output_ids for i in penal],
+            [params[i].presence_penalty for i in penal],
+            [params[i].frequency_penalty for i in penal],
+            [params[i].repetition_penalty for i in penal],
+        )
+        apply_logit_bias(out, biased)
+        if constrained:
+            mask = self.grammars.bitmask([seqs[i].matcher for i in constrained])
+            apply_bitmask(out, mask, constrained)
+        return out
+
+    def process(self, seqs: list[Sequence], logits: torch.Tensor, prompt_lps: dict | None = None) -> None:
+        """Sample one token per sequence, record logprobs, emit outputs, retire finished sequences."""
+        tokens = sample_batch(
+            self._processed(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs]
+        )
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        records = {}
+        if want:
+            lp = torch.log_softmax(
+                logits[want].float(), dim=-1
+            )  # the raw model distribution (vLLM's default)
+            got = token_logprobs(lp, [tokens[i] for i in want], [seqs[i].params.logprobs or 0 for i in want])
+            records = dict(zip(want, got, strict=True))
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.finished:  # aborted while the step ran
                 continue
+            if prompt_lps and i in prompt_lps:
+                seq.prompt_logprobs = prompt_lps[i]
             reason = None
-            if token in self.eos_ids:
+            if token in self.eos_ids or token in seq.params.stop_token_ids:
                 reason = "stop"
             else:
                 seq.output_ids.append(token)
-                if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                if i in records:
+                    seq.logprobs.append(records[i])
+                if seq.matcher is not None:
+                    if not grammar_lib.accept(seq.matcher, token):
+                        logger.warning("grammar refused a token it allowed; ending the sequence")
+                        reason = "stop"
+                    elif grammar_lib.finished(seq.matcher):  # complete: only a stop token could follow
+                        reason = "stop"
+                if reason is None and (
+                    len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+                ):
                     reason = "length"
             self._emit(seq, reason)
 
@@ -145,13 +215,26 @@ class Scheduler:
         seq.text = text
         seq.emitted += len(delta)
         new_tokens = seq.output_ids[seq.sent_tokens :]
+        new_logprobs = seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else []
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
+            prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs or [], True
         seq.sent_tokens = len(seq.output_ids)
         if reason is not None:
             seq.finished = True
             self._release(seq)
-        if delta or reason is not None:
+        if delta or reason is not None:  # tokens held back with their text go out with the next delta
             seq.queue.put_nowait(
-                SeqOutput(delta, new_tokens, seq.finished, reason, len(seq.prompt_ids), len(seq.output_ids))
+                SeqOutput(
+                    delta,
+                    new_tokens,
+                    seq.finished,
+                    reason,
+                    len(seq.prompt_ids),
+                    len(seq.output_ids),
+                    new_logprobs,
+                    prompt_logprobs,
+                )
             )
 
     def _release(self, seq: Sequence) -> None:

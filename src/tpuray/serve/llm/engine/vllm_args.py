@@ -73,4 +73,10 @@ def split_engine_kwargs(config: LLMConfig) -> tuple[dict[str, Any], dict[str, An
                 "layer (FrontendArgs); see `vllm serve --help`"
             )
     engine["tensor_parallel_size"] = config.tensor_parallel_size
+    if config.log_engine_metrics and engine.get("disable_log_stats"):
+        raise ConfigError(
+            "engine_kwargs['disable_log_stats']=True contradicts log_engine_metrics=True (engine metrics need "
+            "vLLM's stats); set log_engine_metrics=False instead"
+        )
+    engine.setdefault("disable_log_stats", not config.log_engine_metrics)
     return engine, frontend

@@ -14,12 +14,16 @@ import os
 import torch
 
 from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV
+from tpuray.serve.llm.engine.logits import TokenLogprobs, token_logprobs
 from tpuray.serve.llm.engine.model import ShardedLlama
 from tpuray.slices.worker import SliceWorker
 
 logger = logging.getLogger(__name__)
 
-Step = list[tuple[int, list[int], int]]  # (slot, new token ids, start position)
+Step = list[
+    tuple[int, list[int], int, int | None]
+]  # (slot, new token ids, start position, prompt logprobs n)
+PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of prompt tokens 1.. (echo)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 
@@ -42,31 +46,43 @@ class ModelRunner:
         self.device = self.model.device
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
 
-    def _forward(self, group: Step) -> torch.Tensor:
-        T = max(len(ids) for _, ids, _ in group)
+    def _forward(self, group: Step, all_positions: bool = False) -> torch.Tensor:
+        T = max(len(ids) for _, ids, _, _ in group)
         tokens = torch.zeros(len(group), T, dtype=torch.long)
-        for i, (_, ids, _) in enumerate(group):
+        for i, (_, ids, _, _) in enumerate(group):
             tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         dev = self.device
         return self.model.forward(
             tokens.to(dev),
-            torch.tensor([s for _, _, s in group], dtype=torch.long).to(dev),
-            torch.tensor([len(ids) for _, ids, _ in group], dtype=torch.long).to(dev),
-            torch.tensor([slot for slot, _, _ in group], dtype=torch.long).to(dev),
+            torch.tensor([s for _, _, s, _ in group], dtype=torch.long).to(dev),
+            torch.tensor([len(ids) for _, ids, _, _ in group], dtype=torch.long).to(dev),
+            torch.tensor([slot for slot, _, _, _ in group], dtype=torch.long).to(dev),
             self.cache,
+            all_positions=all_positions,
         )
 
-    def step(self, batch: Step) -> torch.Tensor | None:
-        """Logits [len(batch), vocab] (float32, CPU) on rank 0, in batch order."""
-        prefill = [i for i, (_, ids, _) in enumerate(batch) if len(ids) > 1]
-        decode = [i for i, (_, ids, _) in enumerate(batch) if len(ids) == 1]
+    def step(self, batch: Step) -> tuple[torch.Tensor, PromptLogprobs] | None:
+        """Rank 0: logits [len(batch), vocab] (float32, CPU) of each sequence's last token, in batch order,
+        and the prompt logprobs of prefills that asked for them; other ranks: None."""
+        wants_prompt = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is not None]
+        prefill = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is None]
+        decode = [i for i, (_, ids, _, _) in enumerate(batch) if len(ids) == 1]
         out = torch.empty(len(batch), self.model.vocab_size)
+        prompt_lps: PromptLogprobs = {}
         for idx in (prefill, decode):
             if idx:
                 logits = self._forward([batch[i] for i in idx])
                 if self.rank == 0:
                     out[idx] = logits.float().cpu()
-        return out if self.rank == 0 else None
+        for i in wants_prompt:  # one at a time: every position's logits, not only the last
+            _, ids, _, n = batch[i]
+            logits = self._forward([batch[i]], all_positions=True)[0, : len(ids)]
+            if self.rank == 0:
+                full = logits.float().cpu()
+                out[i] = full[-1]
+                lp = torch.log_softmax(full[:-1], dim=-1)
+                prompt_lps[i] = token_logprobs(lp, ids[1:], [n or 0] * (len(ids) - 1))
+        return (out, prompt_lps) if self.rank == 0 else None
 
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes
@@ -112,7 +128,7 @@ class EngineWorker(SliceWorker):
             "pid": os.getpid(),
         }
 
-    def step(self, batch: Step) -> torch.Tensor | None:
+    def step(self, batch: Step) -> tuple[torch.Tensor, PromptLogprobs] | None:
         if self.runner is None:
             raise RuntimeError("EngineWorker.step before load()")
         return self.runner.step(batch)
