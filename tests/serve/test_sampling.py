@@ -9,20 +9,12 @@ import json
 
 import pytest
 import torch
+from _schemas import PERSON
 
 from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
 from tpuray.serve.llm.engine.sampling import _min_p, _top_k
 
 V = 50
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture
@@ -64,24 +56,20 @@ def test_logit_bias_equals_transformers(logits):
     assert torch.allclose(ours[2], ref[0])
 
 
-@pytest.mark.parametrize("k", [1, 5, 49])
-def test_top_k_keeps_what_transformers_keeps(logits, k):
-    from transformers import TopKLogitsWarper
+@pytest.mark.parametrize(
+    ("warper", "ours", "value"),
+    [("TopKLogitsWarper", _top_k, k) for k in (1, 5, 49)]
+    + [("MinPLogitsWarper", _min_p, p) for p in (0.05, 0.3, 0.9)],
+)
+def test_top_k_and_min_p_keep_what_transformers_keeps(logits, warper, ours, value):
+    import transformers
 
     probs = torch.softmax(logits, -1)
-    ours = _top_k(probs, torch.tensor([[k]] * 3)) > 0
-    ref = TopKLogitsWarper(k)(torch.zeros(3, 1, dtype=torch.long), logits.clone()) > float("-inf")
-    assert torch.equal(ours, ref)
-
-
-@pytest.mark.parametrize("p", [0.05, 0.3, 0.9])
-def test_min_p_keeps_what_transformers_keeps(logits, p):
-    from transformers import MinPLogitsWarper
-
-    probs = torch.softmax(logits, -1)
-    ours = _min_p(probs, torch.tensor([[p]] * 3)) > 0
-    ref = MinPLogitsWarper(p)(torch.zeros(3, 1, dtype=torch.long), logits.clone()) > float("-inf")
-    assert torch.equal(ours, ref)
+    kept = ours(probs, torch.tensor([[value]] * 3)) > 0
+    ref = getattr(transformers, warper)(value)(torch.zeros(3, 1, dtype=torch.long), logits.clone()) > float(
+        "-inf"
+    )
+    assert torch.equal(kept, ref)
 
 
 def test_bitmask_and_logprob_records(logits):

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from _schemas import PERSON
 
 from tpuray.serve.llm.engine import vllm_available
 
@@ -27,15 +28,6 @@ ENGINE_KWARGS = {
     "enforce_eager": True,
     "enable_auto_tool_choice": True,  # vLLM's OpenAI layer: tools with the hermes parser
     "tool_call_parser": "hermes",
-}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
 }
 
 

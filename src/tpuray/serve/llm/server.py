@@ -251,12 +251,14 @@ class ModelServer(EngineBackend):
                 t.cancel()
         yield -1, (_prompt_tokens(jobs), completion)
 
-    def _usage_chunks(self, req, prompt: int, sent: dict[int, int]) -> dict | None:
-        """Usage so far on every chunk, with stream_options.continuous_usage_stats."""
+    def _chunk(self, req, base: dict, choice: dict, out: Any, jobs: list[Job], sent: dict[int, int]) -> dict:
+        """One stream chunk for `choice`; with stream_options.continuous_usage_stats, usage so far too."""
+        sent[choice["index"]] = out.completion_tokens
+        chunk = {**base, "choices": [{**choice, "finish_reason": out.finish_reason}]}
         opts = req.stream_options
-        if not (opts and opts.include_usage and opts.continuous_usage_stats):
-            return None
-        return usage(prompt, sum(sent.values()))
+        if opts and opts.include_usage and opts.continuous_usage_stats:
+            chunk["usage"] = usage(_prompt_tokens(jobs), sum(sent.values()))
+        return chunk
 
     async def completions_stream(self, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
@@ -277,15 +279,7 @@ class ModelServer(EngineBackend):
             lp, offsets[index] = self._completion_logprobs(
                 req, jobs[index], out.logprobs, out.prompt_logprobs, offsets[index]
             )
-            sent[index] = out.completion_tokens
-            chunk = {
-                **base,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
-                ],
-            }
-            running = self._usage_chunks(req, _prompt_tokens(jobs), sent)
-            yield {**chunk, "usage": running} if running else chunk
+            yield self._chunk(req, base, {"index": index, "text": text, "logprobs": lp}, out, jobs, sent)
 
     async def chat_stream(self, req: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
@@ -307,15 +301,7 @@ class ModelServer(EngineBackend):
                 return
             delta = {"content": out.text} if out.text else {}
             lp = self.formatter.chat(out.logprobs) if req.logprobs else None
-            sent[index] = out.completion_tokens
-            chunk = {
-                **base,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
-                ],
-            }
-            running = self._usage_chunks(req, _prompt_tokens(jobs), sent)
-            yield {**chunk, "usage": running} if running else chunk
+            yield self._chunk(req, base, {"index": index, "delta": delta, "logprobs": lp}, out, jobs, sent)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
