@@ -1,11 +1,12 @@
-"""TorchTrainer fit time and per-report() overhead: tpuray (emulated v6e 2x2 slice, tpu_dist) vs Ray Train
-(CPU workers, gloo), the seed's training loop on 4 workers, in one run on one machine.
+"""TorchTrainer fit time and per-report() overhead: tpuray.train vs Ray Train 2.60's own TorchTrainer on
+the SAME emulated TPU slices (Ray's `use_tpu=True` path, which runs unchanged on tpuray's emulated hosts),
+the seed's training loop on 4 workers (v6e 2x2) and 16 workers (v6e 4x4), in one run on one machine; plus
+the earlier anchor, Ray Train on 4 CPU workers with gloo.
 
-    .venv/bin/python benchmarks/bench_train.py [--reps 3] [--reports 200]
+    .venv/bin/python benchmarks/bench_train.py [--reps 3] [--reps16 2] [--reports 50]
 
 Prints medians and ratios (tpuray / Ray Train; < 1 means tpuray is faster). Figures only, no assertions.
-Both trainers run on the same local Ray cluster: a CPU head (Ray Train's 4 workers) plus one emulated TPU
-host (tpuray's 4 workers). The tpuray side is EMULATED TPU (CPU compute behind the tpu device).
+Everything TPU here is EMULATED (CPU compute behind the tpu device, gloo behind tpu_dist).
 """
 
 from __future__ import annotations
@@ -62,17 +63,31 @@ def report_loop(config):
     return (time.perf_counter() - start) / n
 
 
-def fit(api: str, loop, config: dict, storage: str) -> tuple[float, object]:
+def fit(
+    api: str, loop, config: dict, storage: str, workers: int = 4, tpu: bool = True
+) -> tuple[float, object]:
+    """One fit: api "tpuray" (always on the emulated slice) or "ray" (use_tpu=`tpu`, else CPU + gloo)."""
     config = {**config, "api": api}
     name = f"bench_{api}_{time.time_ns()}"
+    topology = {4: "2x2", 16: "4x4"}[workers]
     if api == "ray":
         import ray.train
         from ray.train.torch import TorchTrainer
 
+        if tpu:
+            scaling = ray.train.ScalingConfig(
+                num_workers=workers,
+                use_tpu=True,
+                topology=topology,
+                accelerator_type="TPU-V6E",
+                resources_per_worker={"TPU": 1},
+            )
+        else:
+            scaling = ray.train.ScalingConfig(num_workers=workers, use_gpu=False)
         trainer = TorchTrainer(
             loop,
             train_loop_config=config,
-            scaling_config=ray.train.ScalingConfig(num_workers=4, use_gpu=False),
+            scaling_config=scaling,
             run_config=ray.train.RunConfig(storage_path=storage, name=name),
         )
     else:
@@ -83,18 +98,34 @@ def fit(api: str, loop, config: dict, storage: str) -> tuple[float, object]:
             loop,
             train_loop_config=config,
             scaling_config=tpuray.train.ScalingConfig(
-                num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"
+                num_workers=workers, use_tpu=True, topology=topology, accelerator_type="TPU-V6E"
             ),
             run_config=tpuray.train.RunConfig(storage_path=storage, name=name, verbose=0),
         )
     start = time.perf_counter()
     result = trainer.fit()
+    if getattr(result, "error", None) is not None:
+        raise RuntimeError(f"{api} fit failed: {result.error}")
     return time.perf_counter() - start, result
+
+
+def _medians(args, storage: str, workers: int, reps: int, ray_tpu: bool) -> dict[str, float]:
+    times: dict[str, list[float]] = {"tpuray": [], "ray": []}
+    for rep in range(reps):
+        for api in ("tpuray", "ray"):
+            seconds, result = fit(api, seed_loop, {}, storage, workers, tpu=ray_tpu)
+            times[api].append(seconds)
+            where = "emulated TPU" if api == "tpuray" or ray_tpu else "CPU/gloo"
+            print(
+                f"  {workers:2d} workers rep {rep} {api:7s} ({where}) fit {seconds:6.2f}s  loss {result.return_value:.4f}"
+            )
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="fits per trainer (alternating)")
+    parser.add_argument("--reps", type=int, default=3, help="fits per trainer at 4 workers (alternating)")
+    parser.add_argument("--reps16", type=int, default=2, help="fits per trainer at 16 workers")
     parser.add_argument("--reports", type=int, default=50, help="report() calls in the overhead run")
     args = parser.parse_args()
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -105,36 +136,37 @@ def main() -> None:
 
     with (
         tempfile.TemporaryDirectory() as storage,
-        EmulatedCluster([SliceRequest("TPU-V6E", "2x2")], head_cpus=4) as cluster,
+        EmulatedCluster(
+            [SliceRequest("TPU-V6E", "2x2"), SliceRequest("TPU-V6E", "4x4")], head_cpus=4
+        ) as cluster,
     ):
         cluster.connect(log_to_driver=False)
         print(f"cluster: {cluster.describe()} + CPU head (4 CPUs); os.cpu_count()={os.cpu_count()}")
-        fit_times: dict[str, list[float]] = {"tpuray": [], "ray": []}
-        for rep in range(args.reps):
-            for api in ("tpuray", "ray"):
-                seconds, result = fit(api, seed_loop, {}, storage)
-                fit_times[api].append(seconds)
-                print(f"  rep {rep} {api:7s} fit {seconds:6.2f}s  final loss {result.return_value:.4f}")
+        tpu4 = _medians(args, storage, 4, args.reps, ray_tpu=True)
+        tpu16 = _medians(args, storage, 16, args.reps16, ray_tpu=True)
+        cpu4 = _medians(args, storage, 4, args.reps, ray_tpu=False)
         per_report = {}
         for api in ("tpuray", "ray"):
-            _, result = fit(api, report_loop, {"n": args.reports}, storage)
+            _, result = fit(api, report_loop, {"n": args.reports}, storage, 4, tpu=True)
             per_report[api] = result.return_value
         ray.shutdown()
 
-    med = {k: statistics.median(v) for k, v in fit_times.items()}
     print()
-    print(f"{'metric':34s} {'tpuray':>12s} {'Ray Train':>12s} {'ratio':>8s}")
+    print(f"{'metric':58s} {'tpuray':>9s} {'Ray Train':>10s} {'ratio':>7s}")
+    rows = [
+        ("fit, seed loop, 4 workers, same emulated v6e 2x2 (s)", tpu4),
+        ("fit, seed loop, 16 workers, same emulated v6e 4x4 (s)", tpu16),
+        ("fit, 4 workers: tpuray emulated 2x2 vs Ray on CPU/gloo (s)", cpu4),
+    ]
+    for name, med in rows:
+        print(f"{name:58s} {med['tpuray']:9.2f} {med['ray']:10.2f} {med['tpuray'] / med['ray']:7.2f}")
     print(
-        f"{'fit time, seed loop, 4 workers (s)':34s} {med['tpuray']:12.2f} {med['ray']:12.2f} "
-        f"{med['tpuray'] / med['ray']:8.2f}"
+        f"{'report() overhead, 4 workers, emulated 2x2 (ms/call)':58s} {per_report['tpuray'] * 1e3:9.3f} "
+        f"{per_report['ray'] * 1e3:10.3f} {per_report['tpuray'] / per_report['ray']:7.3f}"
     )
     print(
-        f"{'report() overhead (ms/call)':34s} {per_report['tpuray'] * 1e3:12.3f} {per_report['ray'] * 1e3:12.3f} "
-        f"{per_report['tpuray'] / per_report['ray']:8.3f}"
-    )
-    print(
-        f"(median of {args.reps} fits each; tpuray on an EMULATED v6e 2x2 slice with tpu_dist, Ray Train "
-        f"{ray.__version__} V2 on 4 CPU workers with gloo; goal: fit ratio <= 0.9; os.cpu_count()={os.cpu_count()})"
+        f"(medians of {args.reps} / {args.reps16} fits; Ray Train {ray.__version__} (V2) with use_tpu=True on the "
+        f"same emulated slices; goal: fit ratio <= 0.5; os.cpu_count()={os.cpu_count()})"
     )
 
 

@@ -70,3 +70,28 @@ def test_probe_answer_is_inherited_from_the_parent(stand_in) -> None:
     assert "Unknown backend type tpu_dist" in r["dist"]  # left to torch_tpu (this stand-in has none)
     r, _ = _run({**stand_in, "TPURAY_TORCH_TPU_USABLE": "0"})
     assert not r["usable"] and "torch_tpu is installed" in r["dist"]
+
+
+HOST_ENV = """
+import json
+from tpuray.emulator.cluster import _torch_tpu_env
+from tpuray.runtime import detect
+print(json.dumps({"env": _torch_tpu_env(), "shim": str(detect.SHIM_DIR)}))
+"""
+
+
+def test_emulated_torch_tpu_never_shadows_a_real_one(stand_in) -> None:
+    """Emulated hosts get tpuray's emulated torch_tpu on PYTHONPATH only where no real one is installed."""
+    without = json.loads(run_python(HOST_ENV, emulation=False).stdout.strip().splitlines()[-1])
+    assert without["env"]["PYTHONPATH"].split(":")[0] == without["shim"]
+    with_real = json.loads(
+        run_python(HOST_ENV, emulation=False, extra_env=stand_in).stdout.strip().splitlines()[-1]
+    )
+    assert "PYTHONPATH" not in with_real["env"] and with_real["env"]["TPURAY_TORCH_TPU_USABLE"] == "0"
+
+
+def test_the_emulated_torch_tpu_is_not_taken_for_a_real_one() -> None:
+    from tpuray.runtime import detect
+
+    r, _ = _run({"PYTHONPATH": str(detect.SHIM_DIR)})
+    assert not r["installed"] and not r["usable"] and r["emulated"] and r["dist"] == "initialised"

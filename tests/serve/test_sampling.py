@@ -267,3 +267,18 @@ def test_logit_bias_stop_token_ids_and_penalties_steer_the_output(server):
         )
     )["choices"][0]["text"]
     assert varied.count("a") < 5  # the penalties push the biased token back down after it appears
+
+
+def test_tokenize_and_detokenize_have_vllms_shapes(server):
+    tok = server.engine.tokenizer
+    r = _run(server.handle("tokenize", {"prompt": "hello world", "return_token_strs": True}))
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256 and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    chat = _run(server.handle("tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
+    assert chat["tokens"] == server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert _run(server.handle("detokenize", {"tokens": r["tokens"]})) == {"prompt": "hello world"}
+    from tpuray.serve.llm.protocol import OpenAIError
+
+    with pytest.raises(OpenAIError) as e:
+        _run(server.handle("detokenize", {"tokens": [10**7]}))
+    assert e.value.param == "tokens"

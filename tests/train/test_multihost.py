@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import ray.cloudpickle
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
+from _examples import load_example  # noqa: E402
 
 from tpuray.emulator import SliceRequest  # noqa: E402
 from tpuray.train import RunConfig  # noqa: E402
 from tpuray.train.torch import TorchTrainer  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_seed.py"
-
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("train_seed_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)  # builds the seed's ScalingConfig + TorchTrainer; fit() is under __main__
-    ray.cloudpickle.register_pickle_by_value(module)
-    return module
+    return load_example("train_seed.py")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from tpuray.constants import ROLE_LABEL, VLLM_PLATFORM_ENV
 from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
 from tpuray.validation import ConfigError
 
@@ -41,8 +42,9 @@ def _host_environ(env: dict[str, str]) -> Iterator[None]:
 
 
 def _torch_tpu_env() -> dict[str, str]:
-    """Where torch_tpu is installed: probe it once here (seconds) and hand the answer to every emulated
-    host, so that their worker processes do not each probe again; warn when it blocks emulation."""
+    """The torch_tpu part of every emulated host's env. Where torch_tpu is installed: probe it once here
+    (seconds) and hand the answer to every host, so that their workers do not each probe again; warn when
+    it blocks emulation. Where it is not: tpuray's emulated torch_tpu on the hosts' PYTHONPATH."""
     from tpuray.runtime.detect import (
         PROBE_ENV,
         emulation_blocked_reason,
@@ -51,12 +53,30 @@ def _torch_tpu_env() -> dict[str, str]:
     )
 
     if not torch_tpu_installed():
-        return {}
+        # Ray's own TPU code (ray.train's use_tpu path) imports torch_tpu: emulated hosts get tpuray's
+        # emulated torch_tpu on their import path (never where a real one is installed).
+        from tpuray.runtime.detect import SHIM_DIR
+
+        path = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        return {"PYTHONPATH": path}
     env = {PROBE_ENV: "1" if torch_tpu_usable() else "0"}
     blocked = emulation_blocked_reason()
     if blocked:
         logger.warning("emulated TPU hosts will not have an emulated tpu device: %s", blocked)
     return env
+
+
+def _vllm_env() -> dict[str, str]:
+    """vLLM on an emulated cluster (every node, the CPU head included, where serving replicas and vLLM's
+    engine core run): vLLM's platform is tpuray's EmulatedTpuPlatform (its CPU backend, scheduled one
+    worker per emulated chip), and each vLLM CPU worker takes a 1 GiB KV cache unless set otherwise,
+    like the emulated hosts' 4 GiB of memory. Ray Serve LLM's TPU path then runs unchanged."""
+    from tpuray.serve.llm.engine.vllm_plugin import EMULATED_TPU
+
+    return {
+        VLLM_PLATFORM_ENV: EMULATED_TPU,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
 
 
 def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> Any:
@@ -169,7 +189,8 @@ class EmulatedCluster:
                     num_cpus=self.head_cpus,
                     include_dashboard=self.include_dashboard,
                     object_store_memory=self.object_store_bytes,
-                    labels={"tpuray.io/role": "head"},
+                    env_vars=_vllm_env(),
+                    labels={ROLE_LABEL: "head"},
                 )
             ip = ray.util.get_node_ip_address()
             # Hostnames: every emulated host lives on this machine, so they all resolve to its IP.
@@ -186,7 +207,7 @@ class EmulatedCluster:
         return self
 
     def _add_host(self, host: HostSpec) -> Any:
-        env = {**host.env, **self._extra_host_env}
+        env = {**host.env, **self._extra_host_env, **_vllm_env()}
         with _host_environ(env):
             return _add_node_with_retry(
                 self._cluster,

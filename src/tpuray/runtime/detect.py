@@ -19,6 +19,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tpuray.constants import EMULATION_ENV, TORCH_TPU_PROBE_ENV
 
@@ -29,12 +30,20 @@ _PROBE = (
 )
 
 
+# tpuray's emulated torch_tpu (for Ray's own TPU code on emulated hosts): never a real TorchTPU.
+SHIM_DIR = Path(__file__).resolve().parents[1] / "emulator" / "torch_tpu_shim"
+
+
 def torch_tpu_installed() -> bool:
-    """Whether the ``torch_tpu`` package is importable (without importing it)."""
+    """Whether a real ``torch_tpu`` package is importable (without importing it); tpuray's emulated
+    torch_tpu (SHIM_DIR, on the import path of emulated hosts) does not count."""
     try:
-        return importlib.util.find_spec("torch_tpu") is not None
+        spec = importlib.util.find_spec("torch_tpu")
     except (ImportError, ValueError):
         return False
+    if spec is None or spec.origin is None:
+        return spec is not None
+    return not Path(spec.origin).resolve().is_relative_to(SHIM_DIR)
 
 
 @functools.cache

@@ -1,0 +1,28 @@
+"""torch_tpu, EMULATED by tpuray: what Ray's own TPU code needs from torch_tpu, on emulated TPU hosts only.
+
+This is not TorchTPU. tpuray's emulator puts this package on the import path (PYTHONPATH) of emulated
+TPU hosts, and only where no real torch_tpu is installed, so that Ray 2.60's TPU paths
+(`ray.train.torch.TorchTrainer(ScalingConfig(use_tpu=True))`: `import torch_tpu`,
+`torch_tpu._loader.load()`) run unchanged. The `tpu` device and the `tpu_dist` backend behind it are
+tpuray's CPU emulation (tpuray.runtime): real tensors, real cross-process reductions, no TPU hardware.
+Anywhere else (TPURAY_EMULATION unset) `import torch_tpu` raises ImportError, as on a machine without it.
+"""
+
+import logging
+import os
+
+EMULATED = True  # tpuray.runtime.detect recognises this package by it (and by its location)
+__version__ = "0.0.0+tpuray.emulated"
+
+if os.environ.get("TPURAY_EMULATION") != "1":
+    raise ImportError(
+        "this torch_tpu is tpuray's emulation and works only on emulated TPU hosts (TPURAY_EMULATION=1)"
+    )
+
+logging.getLogger("tpuray.runtime").info(
+    "torch_tpu here is tpuray's EMULATION (CPU-backed tpu device, gloo-backed tpu_dist), not TorchTPU"
+)
+
+from torch_tpu import _loader  # noqa: E402
+
+_loader.load()

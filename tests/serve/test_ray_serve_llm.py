@@ -1,0 +1,90 @@
+"""Ray Serve LLM ITSELF (`ray.serve.llm`, not tpuray's) on an emulated v6e 2x2 slice, unchanged: the
+announcement's LLMConfig with a TPU accelerator_config, vLLM's CPU build underneath. tpuray's emulator
+makes vLLM's platform the emulated TPU one on every node, so Ray's TPU serving path reserves the slice and
+puts one vLLM worker on each emulated chip."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tpuray.serve.llm.engine import vllm_available
+
+pytestmark = pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"
+)
+
+
+def _live_pgs() -> dict:
+    import ray
+
+    return {k: v for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
+
+
+def test_ray_serve_llm_serves_on_the_emulated_slice(emulated_cluster, tmp_path) -> None:
+    import torch
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuray.models import build_tiny_causal_lm
+
+    path = str(
+        build_tiny_causal_lm(
+            tmp_path / "m", hidden_size=256, num_attention_heads=4, max_position_embeddings=512
+        )
+    )
+    llm_config = LLMConfig(  # the announcement's config, with a local tiny model
+        model_loading_config=dict(model_id="tiny", model_source=path),
+        accelerator_type="TPU-V6E",
+        accelerator_config={"kind": "tpu", "topology": "2x2"},
+        placement_group_config={"bundle_per_worker": {"TPU": 1}},
+        engine_kwargs={
+            "tensor_parallel_size": 4,
+            "max_model_len": 256,
+            "dtype": "float32",
+            "enforce_eager": True,
+        },
+    )
+    before = set(_live_pgs())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_openai_app({"llm_configs": [llm_config]}), name="ray-serve-llm", route_prefix="/")
+        body = {
+            "model": "tiny",
+            "prompt": "Hello world",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={**body, "return_token_ids": True}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        slices = [
+            v
+            for k, v in _live_pgs().items()
+            if k not in before and any("TPU" in b for b in v["bundles"].values())
+        ]
+        assert slices and all(
+            b.get("TPU") == 1.0 for b in slices[0]["bundles"].values()
+        )  # one chip per worker
+        tok = AutoTokenizer.from_pretrained(path)
+        ids = tok("Hello world", return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(path).generate(
+                ids, do_sample=False, max_new_tokens=8, min_new_tokens=8
+            )
+        assert r.json()["choices"][0]["token_ids"] == ref[0, ids.shape[1] :].tolist()
+    finally:
+        serve.shutdown()
+    deadline = time.monotonic() + 60
+    while set(_live_pgs()) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not set(_live_pgs()) - before
