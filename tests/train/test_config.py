@@ -104,10 +104,10 @@ def test_trainer_rejects_bad_arguments_before_reserving() -> None:
 def test_run_state_commits_and_rewinds_exactly_once() -> None:
     """Report i is committed once every rank made it; a restart resumes after the newest committed
     checkpoint and forgets rank-0 history past it."""
+    from tpuray.train.run_state import RunState
     from tpuray.train.session import ReportRecord
-    from tpuray.train.trainer import _RunState
 
-    state, seen = _RunState(world_size=2), []
+    state, seen = RunState(world_size=2), []
     rec = lambda i, ck, rank0=True: ReportRecord(i, {"epoch": i + 1} if rank0 else None, ck)  # noqa: E731
     state.add(0, [rec(0, True), rec(1, False), rec(2, True)], seen.append)
     state.add(1, [rec(0, True, False), rec(1, False, False)], seen.append)

@@ -1,15 +1,10 @@
 """The driver loop behind TorchTrainer.fit(): reserve -> start workers -> set up torch.distributed -> run
--> collect reports -> tear down, restarting from the latest checkpoint after worker/host failures.
-
-Report bookkeeping: every rank numbers its report() calls 0, 1, 2, ... (continuing after a restart).
-Report i is *committed* once every rank has made it (so all of checkpoint_i's files are uploaded).
-On a restart the run resumes after the latest committed checkpoint; rank-0 history past it is dropped,
-so the final metrics_history has every report exactly once.
+-> collect reports -> tear down, restarting from the latest committed checkpoint after worker/host
+failures (report and checkpoint bookkeeping: `tpuray.train.run_state`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +18,7 @@ from tpuray.train import checkpoint as ckpt
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
 from tpuray.train.progress import Progress
 from tpuray.train.result import Result, WorkerGroupError
+from tpuray.train.run_state import RunState
 from tpuray.train.session import TrainContext
 from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
 from tpuray.validation import ConfigError
@@ -30,7 +26,6 @@ from tpuray.validation import ConfigError
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
 PEER_CHECK_S = 60.0
-RUN_STATE_FILE = "run_state.json"
 
 
 class _WorkerDied(Exception):
@@ -38,69 +33,6 @@ class _WorkerDied(Exception):
         super().__init__(f"worker rank {rank} died: {cause}")
         self.rank = rank
         self.cause = cause
-
-
-class _RunState:
-    """Reports and checkpoints seen so far, across attempts."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.history: dict[int, dict[str, Any]] = {}  # rank-0 metrics by report index
-        self.ckpt_indices: set[int] = set()
-        self.counts: list[int] = [0] * world_size  # reports seen per rank (absolute index + 1)
-        self.base = 0  # first report index of the current attempt
-        self.latest_ckpt: int | None = None
-
-    def add(self, rank: int, records: list, on_metrics: Callable[[dict], None]) -> None:
-        for r in records:
-            if r.has_checkpoint:
-                self.ckpt_indices.add(r.index)
-            if rank == 0 and r.metrics is not None:
-                self.history[r.index] = r.metrics
-                on_metrics(r.metrics)
-            self.counts[rank] = max(self.counts[rank], r.index + 1)
-
-    def commit(self) -> int | None:
-        """Advance latest_ckpt to the newest checkpoint every rank has finished; return it if new."""
-        committed = min(self.counts)
-        done = [i for i in self.ckpt_indices if i < committed]
-        newest = max(done) if done else None
-        if newest is not None and newest != self.latest_ckpt:
-            self.latest_ckpt = newest
-            return newest
-        return None
-
-    def rewind(self) -> int:
-        """Start the next attempt right after the latest committed checkpoint."""
-        resume = self.latest_ckpt + 1 if self.latest_ckpt is not None else 0
-        self.history = {i: m for i, m in self.history.items() if i < resume}
-        self.ckpt_indices = {i for i in self.ckpt_indices if i < resume}
-        self.counts = [resume] * self.world_size
-        self.base = resume
-        return resume
-
-    def metrics_history(self, upto: int | None = None) -> list[dict[str, Any]]:
-        return [self.history[i] for i in sorted(self.history) if upto is None or i <= upto]
-
-    def save(self, run_path: str, finished: bool = False) -> None:
-        """Persist committed progress to <run_path>/run_state.json (read back by load() on resume)."""
-        if finished:
-            history = self.metrics_history()
-        else:
-            history = self.metrics_history(self.latest_ckpt) if self.latest_ckpt is not None else []
-        doc = {"latest_checkpoint": self.latest_ckpt, "finished": finished, "metrics_history": history}
-        ckpt.write_text(ckpt.join(run_path, RUN_STATE_FILE), json.dumps(doc, default=str, indent=1))
-
-    def load(self, run_path: str) -> bool:
-        text = ckpt.read_text(ckpt.join(run_path, RUN_STATE_FILE))
-        doc = json.loads(text) if text else {}
-        latest = doc.get("latest_checkpoint")
-        if latest is None or latest not in ckpt.list_checkpoints(run_path):
-            return False
-        self.latest_ckpt = latest
-        self.ckpt_indices.add(latest)
-        self.history = dict(enumerate(doc.get("metrics_history", [])[: latest + 1]))
-        return True
 
 
 class DataParallelTrainer:
@@ -152,7 +84,7 @@ class DataParallelTrainer:
         sc, rc = self.scaling_config, self.run_config
         backend = self.torch_config.backend or sc.backend
         ckpt.ensure_dir(self.run_path)
-        state = _RunState(sc.num_workers)
+        state = RunState(sc.num_workers)
         if state.load(self.run_path):  # same run name as an earlier run: resume it (as Ray Train does)
             logger.warning(
                 "tpuray.train: resuming run %s from checkpoint_%06d", self.run_path, state.latest_ckpt
@@ -204,7 +136,7 @@ class DataParallelTrainer:
             where = "GPU" if sc.use_gpu else "CPU"
         return f"tpuray.train {self.name} [{sc.num_workers} workers, {where}]"
 
-    def _run_attempt(self, state: _RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
+    def _run_attempt(self, state: RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
         sc = self.scaling_config
         group = SliceWorkerGroup(group_spec(sc), TrainWorker)
         t0 = time.perf_counter()
@@ -255,7 +187,7 @@ class DataParallelTrainer:
             self._fn_obj_ref = ray.put(self.train_loop_per_worker)
         return self._fn_obj_ref
 
-    def _wait_all(self, group: SliceWorkerGroup, refs: list, state: _RunState, progress: Progress) -> list:
+    def _wait_all(self, group: SliceWorkerGroup, refs: list, state: RunState, progress: Progress) -> list:
         """Wait for calls on the workers (refs in rank order, possibly several rounds) while draining
         reports; raise on the first failure."""
         index_of = {ref: i for i, ref in enumerate(refs)}
@@ -282,7 +214,7 @@ class DataParallelTrainer:
             self._collect(group, state, progress)
         return outcomes
 
-    def _collect(self, group: SliceWorkerGroup, state: _RunState, progress: Progress) -> None:
+    def _collect(self, group: SliceWorkerGroup, state: RunState, progress: Progress) -> None:
         try:
             per_rank = ray.get(group.call("drain"))
         except ray.exceptions.RayActorError as exc:
@@ -293,7 +225,7 @@ class DataParallelTrainer:
             self._prune_checkpoints(state)
             state.save(self.run_path)
 
-    def _collect_quietly(self, group: SliceWorkerGroup, state: _RunState, progress: Progress) -> None:
+    def _collect_quietly(self, group: SliceWorkerGroup, state: RunState, progress: Progress) -> None:
         try:
             self._collect(group, state, progress)
         except _WorkerDied:
@@ -308,13 +240,13 @@ class DataParallelTrainer:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             raise _WorkerDied(None, exc) from error
 
-    def _raise_user_error(self, state: _RunState, errors: dict, tracebacks: dict) -> None:
+    def _raise_user_error(self, state: RunState, errors: dict, tracebacks: dict) -> None:
         lines = [f"Training failed: worker rank {r} raised:\n{tb}" for r, tb in tracebacks.items()]
         err = WorkerGroupError("\n".join(lines), errors)
         err.result = self._result(state, err, None, getattr(self, "_failures", 0))
         raise err
 
-    def _result(self, state: _RunState, error, value, failures: int) -> Result:
+    def _result(self, state: RunState, error, value, failures: int) -> Result:
         latest = state.latest_ckpt
         history = state.metrics_history()
         return Result(
@@ -334,7 +266,7 @@ class DataParallelTrainer:
             if index >= resume:
                 ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
 
-    def _prune_checkpoints(self, state: _RunState) -> None:
+    def _prune_checkpoints(self, state: RunState) -> None:
         keep = self.run_config.checkpoint_config.num_to_keep
         if keep is None or state.latest_ckpt is None:
             return
