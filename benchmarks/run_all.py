@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["topology", "slices", "collectives", "device", "train", "serve", "serve_vs_ray", "sampling"]
+ORDER = [
+    "topology", "slices", "collectives", "device", "train", "checkpoint", "serve", "serve_vs_ray", "sampling", "preemption",
+]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

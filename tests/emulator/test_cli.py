@@ -1,10 +1,11 @@
-"""`tpuray emulate up|status|down` and `tpuray status`, run as real subprocesses."""
+"""`tpuray emulate up|status|preempt|down` and `tpuray status`, run as real subprocesses."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 from tpuray.emulator.detached import _alive
 
@@ -47,6 +48,20 @@ def test_emulate_up_status_down(tmp_path) -> None:
         assert again.returncode == 1 and "already running" in again.stdout
         status = _tpuray("emulate", "status", *state)
         assert status.returncode == 0 and info["address"] in status.stdout
+        # Emulated spot preemption through the running cluster: drained now, killed after 1 s, back after.
+        old_ids = info["slices"][0]["node_ids"]
+        spot = _tpuray("emulate", "preempt", "--slice", "emulated-v6e-4-0", "--notice-s", "1", *state,
+                       "--restore-after-s", "0")  # fmt: skip
+        assert spot.returncode == 0, spot.stdout + spot.stderr
+        assert "EMULATED preemption of slice emulated-v6e-4-0: 1 host(s) draining" in spot.stdout
+        deadline = time.monotonic() + 180
+        while read_state(tmp_path)["slices"][0]["node_ids"] == old_ids:  # the replacement host joined
+            assert time.monotonic() < deadline, "the preempted host never came back"
+            time.sleep(0.5)
+        bad = _tpuray("emulate", "preempt", "--slice", "nope", *state)
+        assert bad.returncode == 2 and "no emulated slice 'nope'" in bad.stderr
+        neither = _tpuray("emulate", "preempt", *state)
+        assert neither.returncode == 2 and "--slice NAME or --node-id" in neither.stderr
     finally:
         down = _tpuray("emulate", "down", *state)
     assert down.returncode == 0 and "stopped" in down.stdout

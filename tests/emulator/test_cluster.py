@@ -92,3 +92,50 @@ def test_kill_and_restore_host(emulated_cluster: EmulatedCluster) -> None:
     assert node["Resources"]["TPU-v6e-4-head"] == 1
     with pytest.raises(ValueError, match="not an emulated TPU host"):
         emulated_cluster.kill_host("f" * 56)
+
+
+def test_preempt_slice_drains_then_kills_then_restores(emulated_cluster: EmulatedCluster) -> None:
+    from tpuray.slices.drain import DrainWatch, draining_nodes
+
+    sl = emulated_cluster.slices[1]
+    old = sl.node_ids[0]
+
+    @ray.remote(num_cpus=0, resources={"TPU": 1})
+    class OnSlice:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    # A busy host (an idle one's raylet exits as soon as it is drained, as on real Ray clusters).
+    busy = OnSlice.options(label_selector={"ray.io/tpu-slice-name": sl.name}).remote()
+    assert ray.get(busy.node.remote(), timeout=60) == old
+    watch = DrainWatch({old: [0, 1, 2, 3]}, min_interval_s=0)
+    assert watch.poll() is None
+    preemption = emulated_cluster.preempt_slice(sl.name, notice_s=3, restore_after_s=0)
+    assert "EMULATED" in repr(preemption)
+    # Ray's own drain state: the node drains with the notice's deadline; what runs there keeps running
+    # until the deadline, and new work pinned to the slice waits.
+    assert draining_nodes()[old] == int(preemption.deadline * 1000)
+    info = watch.poll()
+    assert info.preempted_node_to_ranks == {old: [0, 1, 2, 3]} and 0 < info.seconds_left() <= 3
+    assert ray.get(busy.node.remote(), timeout=10) == old
+    pinned = OnSlice.options(label_selector={"ray.io/tpu-slice-name": sl.name}).remote()
+    ready, _ = ray.wait([pinned.node.remote()], timeout=1.0)
+    assert not ready
+    assert preemption.wait_killed(timeout_s=60)
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == old)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(busy.node.remote(), timeout=60)
+    assert preemption.wait_restored(timeout_s=120)
+    (new,) = preemption.restored_node_ids
+    again = OnSlice.options(label_selector={"ray.io/tpu-slice-name": sl.name}).remote()
+    assert sl.node_ids == [new] and ray.get(again.node.remote(), timeout=60) == new  # the replacement
+    ray.kill(again)
+
+
+def test_preempt_refuses_bad_targets(emulated_cluster: EmulatedCluster) -> None:
+    with pytest.raises(ValueError, match="no emulated slice 'nope'"):
+        emulated_cluster.preempt_slice("nope")
+    with pytest.raises(ValueError, match="not an emulated TPU host"):
+        emulated_cluster.preempt_host("f" * 56)
+    with pytest.raises(ValueError, match="notice_s=-1"):
+        emulated_cluster.preempt_slice(emulated_cluster.slices[0].name, notice_s=-1)

@@ -95,3 +95,19 @@ def test_cli_entry_point_subprocess():
         timeout=120,
     )
     assert bad.returncode == 2 and "--topology" in bad.stderr
+
+
+def test_cli_spot_and_reservation(capsys):
+    assert main(["k8s", "-a", "TPU-V6E", "-t", "4x4", "--spot"]) == 0
+    (m,) = _docs(capsys.readouterr().out)
+    assert (
+        m["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-spot"]
+        == "true"
+    )
+    assert main(["k8s", "-a", "TPU-V6E", "-t", "4x4", "--reservation", "res-a"]) == 0
+    (m,) = _docs(capsys.readouterr().out)
+    selector = m["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]
+    assert selector["cloud.google.com/reservation-name"] == "res-a"
+    with pytest.raises(SystemExit) as both:
+        main(["k8s", "-a", "TPU-V6E", "-t", "4x4", "--spot", "--reservation", "res-a"])
+    assert both.value.code == 2 and "not allowed with argument --spot" in capsys.readouterr().err

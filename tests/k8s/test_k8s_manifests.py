@@ -253,9 +253,37 @@ def _llm(topology: str, replicas: int = 1, tp: int | None = None) -> dict:
             },
             "applications[0].args",
         ),
+        ({"spot": True, "reservation": "r1"}, "exclude each other"),
+        ({"reservation": "R_1"}, "'R_1' is not a GCE reservation name"),
+        ({"spot": "yes"}, "spot must be True or False"),
     ],
 )
 def test_bad_config_is_rejected_with_the_bad_value(kwargs, match):
     args = {"accelerator_type": "TPU-V6E", "topology": "4x4", **kwargs}
     with pytest.raises(ValueError, match=re.escape(match)):
         K8sConfig(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "selector", "spot_toleration"),
+    [
+        ({}, {}, False),
+        ({"spot": True}, {"cloud.google.com/gke-spot": "true"}, True),
+        (
+            {"reservation": "tpu-res-1"},
+            {
+                "cloud.google.com/reservation-name": "tpu-res-1",
+                "cloud.google.com/reservation-affinity": "specific",
+            },
+            False,
+        ),
+    ],
+)
+def test_spot_and_reservation_node_selectors(kwargs, selector, spot_toleration):
+    m = build_manifest(K8sConfig("TPU-V6E", "4x4", **kwargs))
+    pod = m["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    capacity = {k: v for k, v in pod["nodeSelector"].items() if "gke-tpu" not in k}
+    assert capacity == selector
+    spot = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    assert (spot in pod["tolerations"]) == spot_toleration
+    assert "nodeSelector" not in m["spec"]["headGroupSpec"]["template"]["spec"]  # the head stays on-demand

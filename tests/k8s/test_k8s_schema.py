@@ -88,6 +88,14 @@ def test_every_generation_validates_against_kuberay_crd(kind, acc, topology, num
     assert validation_errors(build_manifest(cfg)) == []
 
 
+@needs_crds
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+@pytest.mark.parametrize("capacity", [{"spot": True}, {"reservation": "tpu-res-1"}])
+def test_spot_and_reservation_validate_against_kuberay_crd(kind, capacity):
+    cfg = K8sConfig("TPU-V6E", "4x4", num_slices=2, kind=kind, **KIND_ARGS[kind], **capacity)
+    assert validation_errors(build_manifest(cfg)) == []
+
+
 @pytest.fixture(scope="module")
 def cluster() -> dict:
     return build_manifest(K8sConfig("TPU-V6E", "4x4", num_slices=2))

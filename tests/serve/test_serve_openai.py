@@ -13,10 +13,10 @@ import time
 import httpx
 import openai
 import pytest
+from _configs import MAX_MODEL_LEN, tiny_tp4_config
 
 API_KEY = "test-key"
 EMBED_ID = "sentence-transformers/all-MiniLM-L6-v2"
-MAX_MODEL_LEN = 256
 
 
 def free_port() -> int:
@@ -29,24 +29,6 @@ def live_pgs() -> set[str]:
     import ray
 
     return {k for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
-
-
-def tiny_tp4_config(tiny_model_dir: str):
-    """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice."""
-    from tpuray.serve.llm import LLMConfig, ModelLoadingConfig
-
-    return LLMConfig(
-        model_loading_config=ModelLoadingConfig(model_id="tiny", model_source=tiny_model_dir),
-        llm_engine="embedded",
-        accelerator_type="TPU-V6E",
-        accelerator_config={"kind": "tpu", "topology": "2x2"},
-        placement_group_config={"bundle_per_worker": {"TPU": 1}},
-        engine_kwargs={
-            "tensor_parallel_size": 4,
-            "max_model_len": MAX_MODEL_LEN,
-            "enable_expert_parallel": True,
-        },
-    )
 
 
 @pytest.fixture(scope="module")

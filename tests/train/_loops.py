@@ -134,3 +134,44 @@ def crashing_loop(config: dict) -> None:
             torch.save({"epoch": epoch + 1}, os.path.join(d, "state.pt"))
             ckpt = Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None
             train.report({"epoch": epoch + 1, "attempt": ctx.get_attempt()}, checkpoint=ckpt)
+
+
+def preemptible_loop(config: dict) -> None:
+    """One all_reduce'd step every `step_s`, reported each step; a checkpoint every `ckpt_every` steps and
+    from rank 0 when the driver asks for one (`should_checkpoint()`, after a preemption notice). Rank 0 writes
+    its node id to `marker` once it reaches `signal_at` steps on the first attempt."""
+    import torch.distributed as dist
+
+    start = 0
+    restored = train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            start = torch.load(os.path.join(d, "state.pt"))["step"]
+    ctx = train.get_context()
+    device = tt.get_device()
+    for step in range(start, config["steps"]):
+        value = torch.ones(2, device=device)
+        dist.all_reduce(value)
+        time.sleep(config.get("step_s", 0.2))
+        notice = train.get_preemption_info()
+        metrics = {
+            "step": step + 1,
+            "attempt": ctx.get_attempt(),
+            "resumed_from": start,
+            "t": time.time(),
+            "sum": float(value[0]),
+            "node_id": __import__("ray").get_runtime_context().get_node_id(),
+            "slice": os.environ.get("TPU_NAME"),
+            "notice_deadline_ms": notice.deadline_ms if notice else None,
+            "notice_ranks": notice.preempted_ranks if notice else None,
+        }
+        asked = ctx.should_checkpoint() and ctx.get_world_rank() == 0  # DDP: rank 0 saves the state
+        if asked or (step + 1) % config.get("ckpt_every", 10**9) == 0:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({"step": step + 1}, os.path.join(d, "state.pt"))
+                train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+        else:
+            train.report(metrics)
+        if ctx.get_attempt() == 0 and step + 1 == config.get("signal_at") and ctx.get_world_rank() == 0:
+            with open(config["marker"], "w") as f:
+                f.write(metrics["node_id"])

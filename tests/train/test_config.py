@@ -93,7 +93,7 @@ def test_trainer_rejects_bad_arguments_before_reserving() -> None:
 
     with pytest.raises(TypeError, match="tpuray.train.ScalingConfig"):
         TorchTrainer(loop, scaling_config={"num_workers": 2})
-    with pytest.raises(ValueError, match="Ray Data datasets are not supported"):
+    with pytest.raises(ValueError, match=r"datasets\['train'\]=\[1, 2\] is invalid: use a ray.data.Dataset"):
         TorchTrainer(loop, datasets={"train": [1, 2]})
     with pytest.raises(TypeError, match="train_loop_config=3"):
         TorchTrainer(loop, train_loop_config=3)

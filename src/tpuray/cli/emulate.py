@@ -1,8 +1,9 @@
-"""`tpuray emulate up|down|status`: a detached local Ray cluster of emulated TPU slices."""
+"""`tpuray emulate up|down|status|preempt`: a detached local Ray cluster of emulated TPU slices."""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from tpuray.cli import UsageError
 
@@ -16,7 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "raylets with the TPU resources, labels and host env of GKE/KubeRay TPU hosts, computing on CPU."
         ),
     )
-    p.add_argument("action", choices=("up", "down", "status"))
+    p.add_argument(
+        "action",
+        choices=("up", "down", "status", "preempt"),
+        help="up: start; down: stop; status: show; preempt: emulated spot preemption of a slice or host",
+    )
     p.add_argument(
         "--accelerator-type", default="TPU-V6E", help="e.g. TPU-V6E, v5e, TPU-V4 (default TPU-V6E)"
     )
@@ -26,6 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-chip", type=int, default=2, help="logical CPUs per emulated chip")
     p.add_argument(
         "--state-dir", default=None, help="where the running cluster is recorded (~/.tpuray/emulator)"
+    )
+    g = p.add_argument_group(
+        "preempt",
+        "drain the hosts through Ray's drain API (reason PREEMPTION, with a deadline), as GKE's notice of a "
+        "spot/preemptible TPU VM does, and kill them at the deadline",
+    )
+    g.add_argument("--slice", dest="slice_name", default=None, help="the slice to preempt (all its hosts)")
+    g.add_argument("--node-id", default=None, help="or: one host's Ray node id")
+    g.add_argument("--notice-s", type=float, default=30.0, help="seconds from notice to kill (default 30)")
+    g.add_argument(
+        "--restore-after-s",
+        type=float,
+        default=None,
+        help="bring a replacement host back this long after the kill, as a node pool would (default: never)",
     )
     p.set_defaults(func=run)
 
@@ -51,6 +70,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"EMULATED TPU cluster up: {state['description']}")
         _print_state(state)
         print(f"connect with: ray.init(address={state['address']!r})   or   RAY_ADDRESS={state['address']}")
+        return 0
+    if args.action == "preempt":
+        if (args.slice_name is None) == (args.node_id is None):
+            raise UsageError("tpuray emulate preempt needs --slice NAME or --node-id ID (one of them)")
+        if args.notice_s < 0 or (args.restore_after_s is not None and args.restore_after_s < 0):
+            raise UsageError("--notice-s and --restore-after-s must be >= 0")
+        try:
+            answer = detached.preempt(
+                args.slice_name, args.node_id, args.notice_s, args.restore_after_s, path=args.state_dir
+            )
+        except (RuntimeError, TimeoutError) as e:
+            print(f"tpuray emulate preempt: {e}")
+            return 1
+        target = f"slice {args.slice_name}" if args.slice_name else f"host {args.node_id}"
+        back = (
+            f"; a replacement comes back {args.restore_after_s:g}s after"
+            if args.restore_after_s is not None
+            else ""
+        )
+        print(
+            f"EMULATED preemption of {target}: {len(answer['node_ids'])} host(s) draining now, killed in "
+            f"{answer['deadline'] - time.time():.0f}s{back}"
+        )
         return 0
     if args.action == "down":
         stopped = detached.down(args.state_dir)

@@ -65,6 +65,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also check against KubeRay's CRD schemas (folder in $TPURAY_KUBERAY_CRDS; see docs/k8s.md)",
     )
+    capacity = p.add_mutually_exclusive_group()
+    capacity.add_argument(
+        "--spot",
+        action="store_true",
+        help="TPU hosts on GKE spot VMs (nodeSelector cloud.google.com/gke-spot=true + its toleration); "
+        "tpuray.train and tpuray.serve.llm handle their preemption notices",
+    )
+    capacity.add_argument(
+        "--reservation",
+        metavar="NAME",
+        default=None,
+        help="TPU hosts on the GKE reservation NAME (cloud.google.com/reservation-name, affinity specific)",
+    )
     p.add_argument("--output", "-o", metavar="FILE", default=None, help="write to FILE instead of stdout")
     p.set_defaults(func=run)
 
@@ -103,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         runtime_env={"pip": list(args.pip)} if args.pip else None,
         serve_config=_load_serve_config(args.serve_config) if args.serve_config else None,
         model=args.model,
+        spot=args.spot,
+        reservation=args.reservation,
     )
     if args.validate:
         from tpuray.k8s.schema import validate

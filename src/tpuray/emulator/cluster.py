@@ -8,6 +8,7 @@ node also carries `tpuray.io/emulated=true` and `TPURAY_EMULATION=1` (in every w
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -91,6 +92,14 @@ def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> A
     started: list[Any] = []
 
     class _TrackedNode(base):  # type: ignore[misc, valid-type]
+        def _register_shutdown_hooks(self) -> None:
+            # Python takes signal handlers in the main thread only: a node started from another thread
+            # (an emulated preemption's replacement) gets the atexit clean-up alone.
+            if threading.current_thread() is threading.main_thread():
+                super()._register_shutdown_hooks()
+            else:
+                atexit.register(lambda: self.kill_all_processes(check_alive=False, allow_graceful=True))
+
         def start_head_processes(self) -> None:
             started.append(self)
             super().start_head_processes()
@@ -225,12 +234,8 @@ class EmulatedCluster:
 
         Returns once Ray reports the node dead, with the (slice name, worker id) token `restore_host` takes.
         """
-        for sl in self.slices:
-            if node_id in sl.node_ids:
-                worker_id = sl.node_ids.index(node_id)
-                break
-        else:
-            raise ConfigError(f"node {node_id!r} is not an emulated TPU host of {self!r}")
+        sl = self._slice_of(node_id)
+        worker_id = sl.node_ids.index(node_id)
         node = next(n for n in self._cluster.list_all_nodes() if n.node_id == node_id)
         logger.info("killing emulated TPU host %s worker %d (node %s)", sl.name, worker_id, node_id)
         self._cluster.remove_node(node, allow_graceful=False)
@@ -241,6 +246,12 @@ class EmulatedCluster:
                 raise TimeoutError(f"GCS still reports killed node {node_id} alive after {timeout_s}s")
             time.sleep(0.2)
         return sl.name, worker_id
+
+    def _slice_of(self, node_id: str) -> EmulatedSlice:
+        for sl in self.slices:
+            if node_id in sl.node_ids:
+                return sl
+        raise ConfigError(f"node {node_id!r} is not an emulated TPU host (running) of {self!r}")
 
     def _node_alive(self, node_id: str) -> bool:
         for node in self._cluster.global_state.node_table():
@@ -259,6 +270,27 @@ class EmulatedCluster:
         self._cluster.wait_for_nodes()
         logger.info("restored emulated TPU host %s worker %d (node %s)", name, worker_id, node.node_id)
         return node.node_id
+
+    def preempt_host(self, node_id: str, notice_s: float = 30.0, restore_after_s: float | None = None) -> Any:
+        """Emulated spot preemption of one host: drain it now through Ray's drain API (reason PREEMPTION,
+        deadline in `notice_s`), kill it at the deadline, and bring a replacement back `restore_after_s`
+        later (None: never; call `.restore()` on the returned `Preemption`)."""
+        from tpuray.emulator.preemption import Preemption
+
+        self._slice_of(node_id)
+        return Preemption(self, [node_id], notice_s, restore_after_s)
+
+    def preempt_slice(self, name: str, notice_s: float = 30.0, restore_after_s: float | None = None) -> Any:
+        """Emulated preemption of a whole slice (every host at once, as GKE reclaims a TPU slice)."""
+        from tpuray.emulator.preemption import Preemption
+
+        sl = next((s for s in self.slices if s.name == name), None)
+        if sl is None:
+            names = [s.name for s in self.slices]
+            raise ConfigError(f"no emulated slice {name!r} in this cluster; slices: {names}")
+        return Preemption(
+            self, list(sl.node_ids), notice_s, restore_after_s, f"emulated preemption of {name}"
+        )
 
     def connect(self, namespace: str | None = None, **init_kwargs: Any) -> Any:
         """ray.init() this process to the emulated cluster (the driver lives on the CPU head)."""

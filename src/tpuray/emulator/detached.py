@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tpuray.constants import STATE_DIR_ENV
 from tpuray.validation import ConfigError
 
 STATE_FILE = "cluster.json"
+REQUESTS_DIR = "requests"  # preempt requests from the CLI to the detached process
 LOG_FILE = "emulator.log"
 
 
@@ -121,6 +123,97 @@ def down(path: str | os.PathLike | None = None, timeout_s: float = 120.0) -> dic
     return state
 
 
+def preempt(
+    slice_name: str | None = None,
+    node_id: str | None = None,
+    notice_s: float = 30.0,
+    restore_after_s: float | None = None,
+    path: str | os.PathLike | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """Ask the running detached cluster to preempt a slice (or one host): see EmulatedCluster.preempt_*.
+
+    The request goes through a file in the state directory; the detached process drains the hosts and
+    answers with their node ids and the deadline (UNIX s), then kills them at the deadline itself."""
+    if (slice_name is None) == (node_id is None):
+        raise ConfigError("preempt needs exactly one of a slice name or a node id")
+    state = read_state(path)
+    if state is None:
+        raise RuntimeError("no emulated TPU cluster is running (start one with `tpuray emulate up`)")
+    requests = state_dir(path) / REQUESTS_DIR
+    requests.mkdir(exist_ok=True)
+    ident = uuid.uuid4().hex
+    body = {"slice": slice_name, "node_id": node_id, "notice_s": notice_s, "restore_after_s": restore_after_s}
+    tmp = requests / f"{ident}.tmp"
+    tmp.write_text(json.dumps(body))
+    tmp.replace(requests / f"{ident}.json")
+    reply = requests / f"{ident}.reply"
+    deadline = time.monotonic() + timeout_s
+    while not reply.exists():
+        if time.monotonic() > deadline:
+            (requests / f"{ident}.json").unlink(missing_ok=True)
+            raise TimeoutError(
+                f"the emulated cluster (pid {state['pid']}) did not answer within {timeout_s}s"
+            )
+        time.sleep(0.1)
+    answer = json.loads(reply.read_text())
+    reply.unlink(missing_ok=True)
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    return answer
+
+
+def _answer_requests(cluster: Any, directory: Path, pending: list) -> None:
+    """Carry out preempt requests written by preempt() (each answered in a .reply file)."""
+    requests = directory / REQUESTS_DIR
+    for file in sorted(requests.glob("*.json")) if requests.is_dir() else []:
+        try:
+            req = json.loads(file.read_text())
+            file.unlink()
+        except (OSError, ValueError):
+            continue
+        try:
+            if req.get("slice") is not None:
+                p = cluster.preempt_slice(req["slice"], req["notice_s"], req.get("restore_after_s"))
+            else:
+                p = cluster.preempt_host(req["node_id"], req["notice_s"], req.get("restore_after_s"))
+            pending.append(p)
+            answer: dict[str, Any] = {"node_ids": p.node_ids, "deadline": p.deadline}
+        except Exception as e:  # noqa: BLE001 - the answer carries it to the CLI
+            answer = {"error": str(e)}
+        tmp = requests / (file.stem + ".reply.tmp")
+        tmp.write_text(json.dumps(answer))
+        tmp.replace(requests / (file.stem + ".reply"))
+
+
+def _state(cluster: Any) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "emulated": True,
+        "address": cluster.address,
+        "description": cluster.describe(),
+        "ray_pids": cluster.pids(),
+        "slices": [
+            {
+                "name": s.name,
+                "accelerator_type": s.topology.generation.accelerator_type,
+                "topology": s.topology.topology,
+                "pod_type": s.topology.pod_type,
+                "hosts": s.topology.num_hosts,
+                "chips_per_host": s.topology.chips_per_host,
+                "node_ids": list(s.node_ids),
+            }
+            for s in cluster.slices
+        ],
+    }
+
+
+def _write_state(directory: Path, state: dict[str, Any]) -> None:
+    tmp = directory / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(directory / STATE_FILE)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -136,31 +229,16 @@ def _serve(args: argparse.Namespace) -> int:
         # After start: Ray's node start installs its own SIGTERM handler; ours shuts down cleanly.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        state = {
-            "pid": os.getpid(),
-            "emulated": True,
-            "address": cluster.address,
-            "description": cluster.describe(),
-            "started": time.time(),
-            "ray_pids": cluster.pids(),
-            "slices": [
-                {
-                    "name": s.name,
-                    "accelerator_type": s.topology.generation.accelerator_type,
-                    "topology": s.topology.topology,
-                    "pod_type": s.topology.pod_type,
-                    "hosts": s.topology.num_hosts,
-                    "chips_per_host": s.topology.chips_per_host,
-                    "node_ids": s.node_ids,
-                }
-                for s in cluster.slices
-            ],
-        }
-        tmp = directory / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(directory / STATE_FILE)
+        state = {**_state(cluster), "started": time.time()}
+        _write_state(directory, state)
         print(f"{cluster!r} ready", flush=True)
-        stop.wait()
+        preemptions: list[Any] = []
+        while not stop.wait(0.2):
+            _answer_requests(cluster, directory, preemptions)
+            current = _state(cluster)
+            if current["slices"] != state["slices"]:  # a host was preempted or came back
+                state = {**current, "started": state["started"]}
+                _write_state(directory, state)
         print("stopping emulated cluster", flush=True)
     (directory / STATE_FILE).unlink(missing_ok=True)
     return 0

@@ -26,6 +26,13 @@ GKE_TPU_ACCELERATORS: dict[str, str] = {
 GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 GKE_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 GKE_TPU_RESOURCE = "google.com/tpu"
+# GKE's capacity labels (cloud.google.com/kubernetes-engine/docs/concepts/spot-vms, .../consuming-reservations):
+# spot node pools carry gke-spot=true and a NoSchedule taint of the same key; reserved capacity is picked
+# with reservation-name + reservation-affinity=specific.
+GKE_SPOT_LABEL = "cloud.google.com/gke-spot"
+GKE_RESERVATION_LABEL = "cloud.google.com/reservation-name"
+GKE_RESERVATION_AFFINITY_LABEL = "cloud.google.com/reservation-affinity"
+_GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 KINDS = ("RayCluster", "RayJob", "RayService")
 # KubeRay's limits (ray-operator/controllers/ray/utils/constant.go): RayCluster names <= 53 chars,
@@ -97,6 +104,8 @@ class K8sConfig:
     runtime_env: Mapping[str, Any] | None = None
     serve_config: Mapping[str, Any] | None = None
     model: str | None = None
+    spot: bool = False  # TPU hosts on a GKE spot node pool (preemptible: see docs/preemption.md)
+    reservation: str | None = None  # TPU hosts on a specific GKE reservation
     slice_topology: SliceTopology = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +141,31 @@ class K8sConfig:
                     f"{key}={value!r} is not a Kubernetes quantity; valid: e.g. '8', '500m', '32Gi'"
                 )
         self._check_kind_fields()
+        self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        if not isinstance(self.spot, bool):
+            raise ConfigError(f"spot must be True or False, got {self.spot!r}")
+        if self.reservation is None:
+            return
+        if not isinstance(self.reservation, str) or not _GCE_NAME.match(self.reservation):
+            raise ConfigError(
+                f"reservation {self.reservation!r} is not a GCE reservation name: lower-case letters, digits "
+                "and '-', starting with a letter, at most 63 characters"
+            )
+        if self.spot:
+            raise ConfigError(
+                f"spot=True and reservation={self.reservation!r} exclude each other: a node pool takes spot "
+                "capacity or a specific reservation; choose one"
+            )
+
+    def capacity_node_selector(self) -> dict[str, str]:
+        """The GKE node selector for the TPU hosts' capacity (spot / a reservation / on-demand)."""
+        if self.spot:
+            return {GKE_SPOT_LABEL: "true"}
+        if self.reservation:
+            return {GKE_RESERVATION_LABEL: self.reservation, GKE_RESERVATION_AFFINITY_LABEL: "specific"}
+        return {}
 
     def _check_kind_fields(self) -> None:
         kind = self.kind
@@ -221,4 +255,11 @@ class K8sConfig:
             f"{self.kind} {self.name}: {self.num_slices} x TPU {t.generation.family} {t.topology} slice "
             f"({t.pod_type}) = {self.num_slices * t.num_hosts} host pod(s) x {t.chips_per_host} chips "
             f"({self.num_slices * t.num_chips} chips), GKE {self.gke_accelerator}"
+            + (
+                " on spot VMs"
+                if self.spot
+                else f" on reservation {self.reservation}"
+                if self.reservation
+                else ""
+            )
         )

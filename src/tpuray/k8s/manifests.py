@@ -23,7 +23,13 @@ from typing import Any
 
 import yaml
 
-from tpuray.k8s.config import GKE_ACCELERATOR_LABEL, GKE_TOPOLOGY_LABEL, GKE_TPU_RESOURCE, K8sConfig
+from tpuray.k8s.config import (
+    GKE_ACCELERATOR_LABEL,
+    GKE_SPOT_LABEL,
+    GKE_TOPOLOGY_LABEL,
+    GKE_TPU_RESOURCE,
+    K8sConfig,
+)
 
 API_VERSION = "ray.io/v1"
 HEAD_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001), ("serve", 8000))
@@ -52,6 +58,14 @@ def head_group_spec(cfg: K8sConfig) -> dict[str, Any]:
         "rayStartParams": {},
         "template": {"spec": {"containers": [container], "volumes": [_shm_volume()]}},
     }
+
+
+def _tolerations(cfg: K8sConfig) -> list[dict[str, str]]:
+    # GKE taints TPU nodes (it usually adds this toleration itself) and spot nodes.
+    out = [{"key": GKE_TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if cfg.spot:
+        out.append({"key": GKE_SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    return out
 
 
 def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
@@ -87,9 +101,9 @@ def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
                 "nodeSelector": {
                     GKE_ACCELERATOR_LABEL: cfg.gke_accelerator,
                     GKE_TOPOLOGY_LABEL: topo.topology,
+                    **cfg.capacity_node_selector(),
                 },
-                # GKE taints TPU nodes; it usually adds this toleration itself.
-                "tolerations": [{"key": GKE_TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+                "tolerations": _tolerations(cfg),
                 "volumes": [_shm_volume()],
             },
         },

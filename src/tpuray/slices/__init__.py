@@ -2,12 +2,16 @@
 worker group that training and serving share."""
 
 from tpuray.slices.distributed import RankInfo
+from tpuray.slices.drain import DrainWatch, PreemptionInfo, draining_nodes
 from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.slices.placement import SlicePlacementGroup, SliceReservationTimeout, slice_placement_group
 from tpuray.slices.worker import SliceWorker, WorkerPlacement
 from tpuray.slices.worker_group import PlacementError, SliceWorkerGroup, WorkerGroupSpec, assign_ranks
 
 __all__ = [
+    "DrainWatch",
+    "PreemptionInfo",
+    "draining_nodes",
     "PlacementError",
     "RankInfo",
     "SliceInfo",

@@ -30,6 +30,7 @@ class SliceInfo:
     chips: int = 0
     free_chips: int = 0
     head_free: bool = False
+    draining: bool = False  # a host has a preemption notice (Ray drain): nothing new is placed there
 
     @property
     def hosts(self) -> int:
@@ -45,6 +46,7 @@ class SliceInfo:
 
     def summary(self) -> str:
         state = "free" if self.idle else ("busy" if self.free_chips < self.chips else "reserved")
+        state = "draining" if self.draining else state
         tag = " [emulated]" if self.emulated else ""
         return f"{self.name} ({self.pod_type}, {self.topology}, {self.free_chips}/{self.chips} chips free, {state}){tag}"
 
@@ -54,9 +56,11 @@ def list_slices() -> list[SliceInfo]:
     import ray
     from ray._private.state import available_resources_per_node
 
+    from tpuray.slices.drain import draining_nodes
     from tpuray.topology import SliceTopology
 
     avail = available_resources_per_node()
+    draining = draining_nodes()
     slices: dict[str, SliceInfo] = {}
     workers: dict[str, list[tuple[int, str]]] = {}
     for node in ray.nodes():
@@ -80,6 +84,7 @@ def list_slices() -> list[SliceInfo]:
                 info.expected_hosts = None
             slices[name] = info
         node_id = node["NodeID"]
+        info.draining = info.draining or node_id in draining
         node_avail = avail.get(node_id, resources)
         info.chips += int(resources[TPU_RESOURCE])
         info.free_chips += int(node_avail.get(TPU_RESOURCE, 0))
@@ -104,6 +109,8 @@ def format_slices(slices: list[SliceInfo]) -> str:
         state = "free" if s.idle else ("busy" if s.free_chips < s.chips else "reserved")
         if not s.intact:
             state = "incomplete"
+        if s.draining:
+            state = "draining (preemption notice)"
         rows.append(
             (
                 s.name,

@@ -132,7 +132,11 @@ class SlicePlacementGroup:
         topo, start = self._topology, time.monotonic()
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
         # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
-        idle = [s.name for s in list_slices() if s.pod_type == topo.pod_type and s.idle and s.intact]
+        idle = [
+            s.name
+            for s in list_slices()
+            if s.pod_type == topo.pod_type and s.idle and s.intact and not s.draining
+        ]
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
         for i in range(self._num_slices):
@@ -243,6 +247,14 @@ class SlicePlacementGroup:
     @property
     def num_bundles(self) -> int:
         return self._bundles_per_slice * self._num_slices
+
+    def node_ids(self) -> list[str]:
+        """The Ray node ids of the reserved hosts (every host of every slice), sorted."""
+        from ray.util.placement_group import placement_group_table
+
+        if self._pg is None:
+            return []
+        return sorted(set(placement_group_table(self._pg)["bundles_to_node_id"].values()))
 
     def bundle_index(self, slice_index: int = 0, worker_id: int = 0, share: int = 0) -> int:
         """Bundle of chip share `share` on host `worker_id` of slice `slice_index`."""

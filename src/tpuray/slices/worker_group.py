@@ -329,6 +329,10 @@ class SliceWorkerGroup:
     def slice_names(self) -> list[str]:
         return self._spg.slice_names if self._spg is not None else []
 
+    def node_ids(self) -> list[str]:
+        """The Ray node ids the workers run on, sorted."""
+        return sorted({m.placement.node_id for m in self.members})
+
     @property
     def actors(self) -> list[Any]:
         return [m.actor for m in self.members]

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tpuray.constants import PLACEMENT_STRATEGIES, QUIET_ENV, STORAGE_PATH_ENV, TPU_RESOURCE
+from tpuray.train.upload import CheckpointUploadMode, parse_upload_mode
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_int, is_number
 
 if TYPE_CHECKING:
     from tpuray.topology import SliceTopology
+    from tpuray.train.callbacks import Callback
 
 DEFAULT_STORAGE_PATH = "~/tpuray_results"
 
@@ -166,26 +168,52 @@ class ScalingConfig:
 
 @dataclass
 class FailureConfig:
-    """`max_failures`: how many times a worker/host death restarts the whole run (-1 = unlimited)."""
+    """How often the whole run restarts from its latest committed checkpoint (-1 = unlimited).
+
+    max_failures: after a worker or host death (or a worker crash).
+    max_preemption_failures: after a preemption notice (a drain of a host of the slice, as on spot/
+    preemptible TPU VMs), counted apart from max_failures as in Ray Train V2; default unlimited.
+    """
 
     max_failures: int = 0
+    max_preemption_failures: int = -1
 
     def __post_init__(self) -> None:
-        if not is_int(self.max_failures) or self.max_failures < -1:
-            raise ConfigError(
-                f"FailureConfig.max_failures={self.max_failures!r} is invalid: use -1 (unlimited) or >= 0."
-            )
+        for name in ("max_failures", "max_preemption_failures"):
+            value = getattr(self, name)
+            if not is_int(value) or value < -1:
+                raise ConfigError(f"FailureConfig.{name}={value!r} is invalid: use -1 (unlimited) or >= 0.")
 
 
 @dataclass
 class CheckpointConfig:
-    """`num_to_keep`: keep only the latest N committed checkpoints (None keeps all)."""
+    """Which committed checkpoints stay on disk (as in Ray Train).
+
+    num_to_keep: keep N (None keeps all). checkpoint_score_attribute: rank the checkpoints by this metric
+    of the report that made them (nested metrics as "a/b") and keep the best N; None keeps the latest N.
+    checkpoint_score_order: "max" (higher is better) or "min". The latest checkpoint is always kept too,
+    since a restart resumes from it (see tpuray.train.checkpoint_manager).
+    """
 
     num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: str = "max"
+    # "async" (default): report() returns before the upload ends; "sync": after (tpuray.train.upload).
+    checkpoint_upload_mode: CheckpointUploadMode | str = "async"
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
             check_positive_int("CheckpointConfig.num_to_keep", self.num_to_keep)
+        attr = self.checkpoint_score_attribute
+        if attr is not None and (not isinstance(attr, str) or not attr):
+            raise ConfigError(
+                f"CheckpointConfig.checkpoint_score_attribute={attr!r} is invalid: use a metric name "
+                "(a key of the metrics you report with checkpoints) or None."
+            )
+        check_choice("CheckpointConfig.checkpoint_score_order", self.checkpoint_score_order, ("max", "min"))
+        self.checkpoint_upload_mode = parse_upload_mode(
+            self.checkpoint_upload_mode, "CheckpointConfig.checkpoint_upload_mode"
+        )
 
 
 @dataclass
@@ -194,6 +222,8 @@ class RunConfig:
 
     storage_path: local directory (default ~/tpuray_results) or any fsspec URL (file://, s3://, gs://...)
     that every worker can write to. verbose: 0 = quiet, 1 = progress line (TPURAY_QUIET=1 forces 0).
+    callbacks: tpuray.train.Callback instances called on the driver (reports, checkpoints, restarts, end),
+    e.g. MLflowLoggerCallback, TensorBoardLoggerCallback.
     """
 
     name: str | None = None
@@ -201,8 +231,12 @@ class RunConfig:
     failure_config: FailureConfig = field(default_factory=lambda: FailureConfig())  # None: the default
     checkpoint_config: CheckpointConfig = field(default_factory=lambda: CheckpointConfig())
     verbose: int = 1
+    callbacks: list[Callback] | None = None
 
     def __post_init__(self) -> None:
+        from tpuray.train.callbacks import check_callbacks
+
+        self.callbacks = check_callbacks("RunConfig.callbacks", self.callbacks)
         if self.name is not None and (not isinstance(self.name, str) or not self.name or "/" in self.name):
             raise ConfigError(f"RunConfig.name={self.name!r} is invalid: use a non-empty name without '/'.")
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):

@@ -1,7 +1,9 @@
 """`RunState`: the driver's bookkeeping of reports and checkpoints across attempts.
 
 Every rank numbers its report() calls 0, 1, 2, ... (continuing after a restart). Report i is *committed*
-once every rank has made it (so all of checkpoint_i's files are uploaded). On a restart the run resumes
+once every rank's record of it has been drained; a worker hands over a report's record only once its
+checkpoint files are all uploaded, in report order (`tpuray.train.upload.UploadQueue`), so a committed
+checkpoint_i has every rank's files, even with asynchronous uploads. On a restart the run resumes
 after the latest committed checkpoint; rank-0 history past it is dropped, so the final metrics_history
 has every report exactly once. Committed progress is persisted to `<run_path>/run_state.json`.
 """
@@ -27,6 +29,8 @@ class RunState:
         self.counts: list[int] = [0] * world_size  # reports seen per rank (absolute index + 1)
         self.base = 0  # first report index of the current attempt
         self.latest_ckpt: int | None = None
+        # Kept committed checkpoints [{"index", "metrics"}], worst first (tpuray.train.checkpoint_manager).
+        self.checkpoint_records: list[dict[str, Any]] = []
 
     def add(self, rank: int, records: list, on_metrics: Callable[[dict], None]) -> None:
         for r in records:
@@ -65,7 +69,12 @@ class RunState:
             history = self.metrics_history()
         else:
             history = self.metrics_history(self.latest_ckpt) if self.latest_ckpt is not None else []
-        doc = {"latest_checkpoint": self.latest_ckpt, "finished": finished, "metrics_history": history}
+        doc = {
+            "latest_checkpoint": self.latest_ckpt,
+            "finished": finished,
+            "metrics_history": history,
+            "kept_checkpoints": self.checkpoint_records,
+        }
         ckpt.write_text(ckpt.join(run_path, RUN_STATE_FILE), json.dumps(doc, default=str, indent=1))
 
     def load(self, run_path: str) -> bool:
@@ -77,4 +86,5 @@ class RunState:
         self.latest_ckpt = latest
         self.ckpt_indices.add(latest)
         self.history = dict(enumerate(doc.get("metrics_history", [])[: latest + 1]))
+        self.checkpoint_records = list(doc.get("kept_checkpoints", []))
         return True

@@ -2,16 +2,19 @@
 
 One `_Session` exists per worker process while a training function runs. `report()` is cheap: rank 0
 keeps the metrics, every rank uploads its checkpoint files (if any) to
-`<run_path>/checkpoint_<index>`, and the driver drains the queue with `drain()` while training runs.
+`<run_path>/checkpoint_<index>` (in the background by default: `tpuray.train.upload`), and the driver
+drains the queue with `drain()` while training runs; a report's record is drained only once its
+checkpoint files are all uploaded.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuray.train.checkpoint import Checkpoint, checkpoint_dir, upload
+from tpuray.slices.drain import PreemptionInfo
+from tpuray.train.checkpoint import Checkpoint, checkpoint_dir
+from tpuray.train.upload import CheckpointUploadMode, UploadQueue, parse_upload_mode
 
 
 @dataclass
@@ -69,8 +72,14 @@ class TrainContext:
         return dict(self.metadata)
 
     def get_attempt(self) -> int:
-        """0 for the first run, then +1 per restart after a worker/host failure."""
+        """0 for the first run, then +1 per restart after a worker/host failure or a preemption."""
         return self.attempt
+
+    def should_checkpoint(self) -> bool:
+        """True once the slice is being preempted and until this worker reports a checkpoint: the driver
+        ends the attempt as soon as that checkpoint is committed, and resumes from it on another slice."""
+        session = _current()
+        return session is not None and session.checkpoint_requested
 
 
 @dataclass
@@ -81,41 +90,67 @@ class ReportRecord:
 
 
 class _Session:
-    def __init__(self, context: TrainContext, checkpoint: Checkpoint | None, first_index: int) -> None:
+    def __init__(
+        self,
+        context: TrainContext,
+        checkpoint: Checkpoint | None,
+        first_index: int,
+        upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
+    ) -> None:
         self.context = context
         self.checkpoint = checkpoint
         self.next_index = first_index
-        self._records: list[ReportRecord] = []
-        self._lock = threading.Lock()
+        self.upload_mode = upload_mode
+        self.uploads = UploadQueue()
+        self.preemption: PreemptionInfo | None = None  # set by the driver on a preemption notice
+        self.checkpoint_requested = False
 
-    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None) -> None:
+    def notify_preemption(self, info: PreemptionInfo) -> int:
+        """Record the notice; return how many reports this worker has made (uploaded or not)."""
+        if self.preemption is None:
+            self.checkpoint_requested = True
+        self.preemption = info
+        return self.next_index
+
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None, upload_mode: Any = None) -> None:
         if not isinstance(metrics, dict):
             raise TypeError(f"tpuray.train.report(metrics={metrics!r}): metrics must be a dict")
-        index = self.next_index
-        self.next_index += 1
+        mode = (
+            self.upload_mode
+            if upload_mode is None
+            else parse_upload_mode(upload_mode, "tpuray.train.report(checkpoint_upload_mode)")
+        )
+        src = None
         if checkpoint is not None:
             src = getattr(checkpoint, "path", None)
             if src is None:
                 raise TypeError(
                     f"tpuray.train.report(checkpoint={checkpoint!r}): use tpuray.train.Checkpoint.from_directory(dir)"
                 )
-            upload(str(src), checkpoint_dir(self.context.run_path, index))
+        index = self.next_index
+        self.next_index += 1
         keep = dict(metrics) if self.context.world_rank == 0 else None
-        with self._lock:
-            self._records.append(ReportRecord(index, keep, checkpoint is not None))
+        record = ReportRecord(index, keep, checkpoint is not None)
+        dest = checkpoint_dir(self.context.run_path, index)
+        self.uploads.add(record, None if src is None else str(src), dest, mode)
+        if checkpoint is not None:
+            self.checkpoint_requested = False
 
     def drain(self) -> list[ReportRecord]:
-        with self._lock:
-            records, self._records = self._records, []
-        return records
+        return self.uploads.drain()
 
 
 _SESSION: _Session | None = None
 
 
-def _start(context: TrainContext, checkpoint: Checkpoint | None, first_index: int) -> _Session:
+def _start(
+    context: TrainContext,
+    checkpoint: Checkpoint | None,
+    first_index: int,
+    upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
+) -> _Session:
     global _SESSION
-    _SESSION = _Session(context, checkpoint, first_index)
+    _SESSION = _Session(context, checkpoint, first_index, upload_mode)
     return _SESSION
 
 
@@ -132,15 +167,36 @@ def _require(what: str) -> _Session:
     return _SESSION
 
 
-def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
+def report(
+    metrics: dict[str, Any],
+    checkpoint: Checkpoint | None = None,
+    checkpoint_upload_mode: CheckpointUploadMode | str | None = None,
+) -> None:
     """Report metrics (kept from rank 0) and optionally a checkpoint directory (persisted from every rank
     that passes one, merged into one checkpoint_<index> directory). Call it the same number of times on
-    every rank."""
-    _require("report").report(metrics, checkpoint)
+    every rank.
+
+    checkpoint_upload_mode: None = CheckpointConfig.checkpoint_upload_mode (default ASYNC), or
+    CheckpointUploadMode.ASYNC / SYNC ("async" / "sync"; Ray's CheckpointUploadMode works too).
+    ASYNC returns before the upload ends: the files are hard-linked into a snapshot, so the directory may
+    be deleted (or its files replaced by new ones) as soon as report() returns, but its existing files
+    must not be written in place until the next report() returns (tpuray detects it and fails the run
+    with CheckpointUploadError naming the file). Upload errors are raised by the next report() or when
+    the training function returns. SYNC: the files are in storage when report() returns. Either way the
+    checkpoint is committed only once every rank's files are uploaded (see tpuray.train.upload)."""
+    _require("report").report(metrics, checkpoint, checkpoint_upload_mode)
 
 
 def get_context() -> TrainContext:
     return _require("get_context").context
+
+
+def get_preemption_info() -> PreemptionInfo | None:
+    """The pending preemption of this run's slice(s) (deadline, preempted node -> ranks), else None.
+
+    When it is set, report a checkpoint soon (`get_context().should_checkpoint()` says so): the run then
+    resumes from it on another slice, and no step before the notice is lost."""
+    return _require("get_preemption_info").preemption
 
 
 def get_checkpoint() -> Checkpoint | None:

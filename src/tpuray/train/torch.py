@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from tpuray.train.checkpoint import Checkpoint
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
+from tpuray.train.data import DataConfig
 from tpuray.train.session import _current
 from tpuray.train.trainer import DataParallelTrainer
 from tpuray.validation import ConfigError
@@ -40,6 +41,7 @@ class TorchTrainer(DataParallelTrainer):
         resume_from_checkpoint: Checkpoint | None = None,
         metadata: dict[str, Any] | None = None,
         datasets: dict | None = None,
+        dataset_config: DataConfig | None = None,
     ) -> None:
         super().__init__(
             train_loop_per_worker,
@@ -50,6 +52,7 @@ class TorchTrainer(DataParallelTrainer):
             resume_from_checkpoint=resume_from_checkpoint,
             metadata=metadata,
             datasets=datasets,
+            dataset_config=dataset_config,
         )
 
 

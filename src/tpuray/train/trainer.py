@@ -13,19 +13,34 @@ from typing import Any
 import ray
 
 from tpuray.slices.distributed import RankInfo, device_type_for
+from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_domains
 from tpuray.slices.worker_group import SliceWorkerGroup
 from tpuray.train import checkpoint as ckpt
+from tpuray.train.callbacks import RunHooks, RunInfo
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
+from tpuray.train.data import AttemptShards, DataConfig, TrainDatasets
 from tpuray.train.progress import Progress
 from tpuray.train.result import Result, WorkerGroupError
 from tpuray.train.run_state import RunState
 from tpuray.train.session import TrainContext
 from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
-from tpuray.validation import ConfigError
 
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
 PEER_CHECK_S = 60.0
+NOTIFY_TIMEOUT_S = 10.0  # workers answer a preemption notice at once (a concurrent actor call)
+DEADLINE_MARGIN_S = 1.0  # a preempted attempt stops this long before the deadline at the latest
+
+
+class _Preempted(Exception):
+    """The run's slice is being preempted: the attempt ends (after a checkpoint, or at the deadline)."""
+
+    def __init__(self, info: PreemptionInfo, checkpointed: bool) -> None:
+        how = (
+            "after a checkpoint it asked for" if checkpointed else "at the deadline, without a new checkpoint"
+        )
+        super().__init__(f"slice preempted: {describe(info)}; attempt ended {how}")
+        self.info = info
 
 
 class _WorkerDied(Exception):
@@ -47,12 +62,14 @@ class DataParallelTrainer:
         resume_from_checkpoint: ckpt.Checkpoint | None = None,
         metadata: dict[str, Any] | None = None,
         datasets: dict | None = None,
+        dataset_config: DataConfig | None = None,
     ) -> None:
-        if datasets:
-            raise ConfigError(
-                f"datasets={list(datasets)!r}: Ray Data datasets are not supported by tpuray.train; load data "
-                "in train_loop_per_worker and shard it with tpuray.train.torch.prepare_data_loader"
-            )
+        # Ray Data ingestion (tpuray.train.data): validated here, split per attempt.
+        self._datasets = (
+            TrainDatasets(datasets, dataset_config)
+            if datasets is not None or dataset_config is not None
+            else None
+        )
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
             raise TypeError(f"train_loop_config={train_loop_config!r} must be a dict or None")
         if not callable(train_loop_per_worker):
@@ -79,6 +96,22 @@ class DataParallelTrainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Result:
+        """Run training; RunConfig.callbacks see its start, reports, checkpoints, restarts and end."""
+        rc = self.run_config
+        self._hooks = hooks = RunHooks(rc.callbacks or [], rc.checkpoint_config, self.run_path)
+        try:
+            sc = self.scaling_config
+            hooks.start(RunInfo(self.name, self.storage_path, self.run_path, sc, self.train_loop_config))
+            result = self._fit()
+        except BaseException as exc:
+            partial = getattr(exc, "result", None)
+            if partial is None and hooks.state is not None:
+                partial = self._result(hooks.state, exc, None)
+            hooks.failed(exc, partial)
+            raise
+        return hooks.end(result)
+
+    def _fit(self) -> Result:
         if not ray.is_initialized():
             ray.init()
         sc, rc = self.scaling_config, self.run_config
@@ -89,8 +122,8 @@ class DataParallelTrainer:
             logger.warning(
                 "tpuray.train: resuming run %s from checkpoint_%06d", self.run_path, state.latest_ckpt
             )
-        max_failures = rc.failure_config.max_failures
-        self._failures = failures = 0
+        self._hooks.attach(state)
+        self._failures = self._preemptions = 0
         progress = Progress(self._title(), rc.quiet)
         try:
             while True:
@@ -101,31 +134,44 @@ class DataParallelTrainer:
                 else:
                     restored = self.resume_from_checkpoint
                 self._drop_stale_checkpoints(resume)
+                attempt = self._failures + self._preemptions
                 try:
-                    value = self._run_attempt(state, backend, restored, failures, progress)
+                    value = self._run_attempt(state, backend, restored, attempt, progress)
                     state.save(self.run_path, finished=True)
-                    return self._result(state, None, value, failures)
+                    return self._result(state, None, value)
                 except _WorkerDied as died:
-                    self._failures = failures = failures + 1
-                    if max_failures != -1 and failures > max_failures:
-                        err = WorkerGroupError(
-                            f"Training failed: {died} (failure {failures}, FailureConfig(max_failures="
-                            f"{max_failures}))",
-                            {died.rank if died.rank is not None else -1: died.cause},
-                        )
-                        err.result = self._result(state, err, None, failures)
-                        raise err from died.cause
-                    where = (
-                        f"checkpoint_{state.latest_ckpt:06d}" if state.latest_ckpt is not None else "scratch"
-                    )
-                    progress.note(
-                        f"tpuray.train: {died}; releasing the reservation and restarting all workers from "
-                        f"{where} (failure {failures}/{'inf' if max_failures == -1 else max_failures})"
-                    )
+                    self._count_restart(state, progress, died, "failure")
+                except _Preempted as preempted:
+                    self._count_restart(state, progress, preempted, "preemption")
                 finally:
                     progress.close()
         finally:
             progress.close()
+
+    def _count_restart(self, state: RunState, progress: Progress, why: Exception, kind: str) -> None:
+        """Count a restart against its limit (raise past it) and say where the run resumes from."""
+        fc = self.run_config.failure_config
+        if kind == "preemption":
+            self._preemptions += 1
+            count, limit, knob = self._preemptions, fc.max_preemption_failures, "max_preemption_failures"
+        else:
+            self._failures += 1
+            count, limit, knob = self._failures, fc.max_failures, "max_failures"
+        if limit != -1 and count > limit:
+            rank = getattr(why, "rank", None)
+            cause = getattr(why, "cause", why)
+            err = WorkerGroupError(
+                f"Training failed: {why} ({kind} {count}, FailureConfig({knob}={limit}))",
+                {rank if rank is not None else -1: cause},
+            )
+            err.result = self._result(state, err, None)
+            raise err from cause
+        where = f"checkpoint_{state.latest_ckpt:06d}" if state.latest_ckpt is not None else "scratch"
+        progress.note(
+            f"tpuray.train: {why}; releasing the reservation and restarting all workers from {where} "
+            f"({kind} {count}/{'inf' if limit == -1 else limit})"
+        )
+        self._hooks.restart(self._failures + self._preemptions, why)
 
     def _title(self) -> str:
         sc = self.scaling_config
@@ -139,16 +185,25 @@ class DataParallelTrainer:
     def _run_attempt(self, state: RunState, backend: str, restored, attempt: int, progress: Progress) -> Any:
         sc = self.scaling_config
         group = SliceWorkerGroup(group_spec(sc), TrainWorker)
+        self._notice: tuple[PreemptionInfo, int] | None = None  # (notice, last report index before it)
         t0 = time.perf_counter()
         finished = False
+        shards: AttemptShards | None = None
         try:
             try:
                 group.start()
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 raise _WorkerDied(None, exc) from exc
+            self._watch = DrainWatch(
+                failure_domains(
+                    (m.placement.node_id, m.placement.slice_name, m.rank.world_rank) for m in group.members
+                )
+            )
             if group.emulated and sc.use_tpu and "emulated" not in progress.title:
                 progress.title = progress.title + " (emulated TPU)"
             progress.start(attempt, len(state.history))
+            if self._datasets is not None:  # a fresh split per attempt (coordinators die with it)
+                shards = self._datasets.split([m.placement.node_id for m in group.members], sc.use_tpu)
 
             def context(rank: RankInfo) -> TrainContext:
                 return TrainContext(
@@ -168,8 +223,13 @@ class DataParallelTrainer:
 
             t1 = time.perf_counter()
             setup_refs = group.init_process_group(backend, self.torch_config.timeout_s)
+            upload_mode = self.run_config.checkpoint_config.checkpoint_upload_mode
             setup_refs += group.call_each(
-                "start_session", [(context(m.rank), restored, state.base) for m in group.members]
+                "start_session",
+                [
+                    (context(m.rank), restored, state.base, upload_mode, shards and shards.for_rank(i))
+                    for i, m in enumerate(group.members)
+                ],
             )
             self._wait_all(group, setup_refs, state, progress)
             t2 = time.perf_counter()
@@ -179,8 +239,14 @@ class DataParallelTrainer:
             self._collect(group, state, progress)
             finished = True
             return outcomes[0].value if outcomes else None
+        except _WorkerDied as died:
+            if self._notice is not None:  # the preempted host went before the attempt stopped
+                raise _Preempted(self._notice[0], checkpointed=False) from died
+            raise
         finally:
             group.shutdown(graceful=finished)
+            if shards is not None:
+                shards.shutdown()
 
     def _fn_ref(self):
         if not hasattr(self, "_fn_obj_ref"):
@@ -212,7 +278,37 @@ class DataParallelTrainer:
                     self._raise_user_error(state, {rank: out.error}, {rank: out.traceback})
                 outcomes[index] = out
             self._collect(group, state, progress)
+            if pending:
+                self._check_preemption(group, state, progress)
         return outcomes
+
+    def _check_preemption(self, group: SliceWorkerGroup, state: RunState, progress: Progress) -> None:
+        """On a drain of the run's hosts: tell every worker (get_preemption_info(), should_checkpoint()),
+        then end the attempt once no report made before the notice can be lost (the newest committed
+        checkpoint covers it) or when the deadline is DEADLINE_MARGIN_S away."""
+        info = self._watch.poll()
+        if info is None:
+            return
+        if self._notice is None or self._notice[0] != info:
+            first = self._notice is None
+            # The loop reads the notice between steps; each worker answers with the reports it has made
+            # (the driver sees a report only once its checkpoint is uploaded).
+            try:
+                made = ray.get(group.call("notify_preemption", info), timeout=NOTIFY_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise _Preempted(info, checkpointed=False) from exc
+            last = max([*made, *state.counts]) - 1 if first else self._notice[1]  # type: ignore[index]
+            self._notice = (info, last)
+            if first:
+                progress.note(
+                    f"tpuray.train: preemption notice for {describe(info)}; asking for a checkpoint"
+                )
+        info, last = self._notice
+        if last < state.base or (state.latest_ckpt is not None and state.latest_ckpt >= last):
+            raise _Preempted(info, checkpointed=last >= state.base)
+        left = info.seconds_left()
+        if left is not None and left <= DEADLINE_MARGIN_S:
+            raise _Preempted(info, checkpointed=False)
 
     def _collect(self, group: SliceWorkerGroup, state: RunState, progress: Progress) -> None:
         try:
@@ -221,7 +317,9 @@ class DataParallelTrainer:
             raise _WorkerDied(None, exc) from exc
         for m, records in zip(group.members, per_rank, strict=True):
             state.add(m.rank.world_rank, records, progress.update)
-        if state.commit() is not None:
+        committed = state.commit()
+        self._hooks.after_collect(state)  # callbacks; registers committed checkpoints for scoring
+        if committed is not None:
             self._prune_checkpoints(state)
             state.save(self.run_path)
 
@@ -243,10 +341,10 @@ class DataParallelTrainer:
     def _raise_user_error(self, state: RunState, errors: dict, tracebacks: dict) -> None:
         lines = [f"Training failed: worker rank {r} raised:\n{tb}" for r, tb in tracebacks.items()]
         err = WorkerGroupError("\n".join(lines), errors)
-        err.result = self._result(state, err, None, getattr(self, "_failures", 0))
+        err.result = self._result(state, err, None)
         raise err
 
-    def _result(self, state: RunState, error, value, failures: int) -> Result:
+    def _result(self, state: RunState, error, value) -> Result:
         latest = state.latest_ckpt
         history = state.metrics_history()
         return Result(
@@ -258,7 +356,9 @@ class DataParallelTrainer:
             path=self.run_path,
             metrics_history=history,
             return_value=value,
-            num_failures=failures,
+            num_failures=getattr(self, "_failures", 0),
+            num_preemptions=getattr(self, "_preemptions", 0),
+            best_checkpoints=self._hooks.best_checkpoints() if hasattr(self, "_hooks") else [],
         )
 
     def _drop_stale_checkpoints(self, resume: int) -> None:
@@ -267,11 +367,5 @@ class DataParallelTrainer:
                 ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
 
     def _prune_checkpoints(self, state: RunState) -> None:
-        keep = self.run_config.checkpoint_config.num_to_keep
-        if keep is None or state.latest_ckpt is None:
-            return
-        latest = state.latest_ckpt
-        committed = sorted(i for i in state.ckpt_indices if i <= latest)
-        for index in committed[:-keep]:
-            ckpt.delete(ckpt.checkpoint_dir(self.run_path, index))
-            state.ckpt_indices.discard(index)
+        """Keep the latest or best CheckpointConfig.num_to_keep (tpuray.train.checkpoint_manager)."""
+        self._hooks.checkpoints.prune(state)

@@ -70,26 +70,48 @@ class TrainWorker(SliceWorker):
     def __init__(self) -> None:
         import torch  # noqa: F401  (warm the import while the other workers start)
 
-    def start_session(self, context: TrainContext, checkpoint: Checkpoint | None, first_index: int) -> None:
+    def start_session(
+        self,
+        context: TrainContext,
+        checkpoint: Checkpoint | None,
+        first_index: int,
+        upload_mode: Any = None,
+        shards: Any = None,
+    ) -> None:
+        """upload_mode: CheckpointConfig.checkpoint_upload_mode; shards: this rank's
+        tpuray.train.data.WorkerShards (TorchTrainer(datasets=...)) or None."""
         import tpuray.train.torch  # noqa: F401  (so `tpuray.train.torch.get_device()` resolves in user code)
-        from tpuray.train import session
+        from tpuray.train import data, session
+        from tpuray.train.upload import CheckpointUploadMode
 
-        session._start(context, checkpoint, first_index)
+        session._start(context, checkpoint, first_index, upload_mode or CheckpointUploadMode.ASYNC)
+        data._install(shards)
 
     def run(self, fn, config) -> WorkerOutcome:
         from tpuray.train import session
 
-        rank = session._require("run").context.world_rank
+        sess = session._require("run")
+        rank = sess.context.world_rank
         try:
             value = fn(config) if config is not None else _call_maybe_without_config(fn)
+            sess.uploads.finish()  # the last checkpoint's upload ends (or fails) before the run does
             return WorkerOutcome(rank, True, value=value)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the driver with its traceback
             return WorkerOutcome(rank, False, error=_picklable(exc), traceback=traceback.format_exc())
         finally:
+            sess.uploads.close()  # after an error: let an upload in flight end, so it can still commit
             try:
                 self.teardown_distributed()
             except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
                 pass
+
+    def notify_preemption(self, info) -> int:
+        """The driver saw a drain of this run's slice: get_preemption_info() and should_checkpoint() say so.
+        Returns the reports made so far (some may still be uploading), -1 before the session starts."""
+        from tpuray.train import session
+
+        sess = session._current()
+        return sess.notify_preemption(info) if sess is not None else -1
 
     def drain(self) -> list:
         from tpuray.train import session

@@ -71,6 +71,10 @@ class EmbeddingModel:
     def check_health(self) -> None:
         """In-process model: nothing can die separately."""
 
+    def slice_nodes(self) -> list[str]:
+        """In the replica's process: no slice to lose."""
+        return []
+
     def shutdown(self) -> None:
         """Nothing to release (no workers, no slice)."""
 

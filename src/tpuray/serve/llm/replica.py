@@ -16,7 +16,6 @@ instead of raising it, so a bad request costs no exception traceback in the repl
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,6 +49,10 @@ class EngineBackend:
     def describe(self) -> dict[str, Any]:
         return self.engine.describe()
 
+    def slice_nodes(self) -> list[str]:
+        """The Ray nodes the engine's slice occupies (watched for preemption notices)."""
+        return self.engine.slice_nodes()
+
 
 def create_backend(config: LLMConfig) -> Any:
     """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
@@ -79,15 +82,24 @@ class LLMServer:
         return server
 
     async def _start(self, llm_config: LLMConfig) -> None:
+        from tpuray.serve.llm.failover import EngineSlot
+
         self.config = llm_config
-        self.backend: Any = None
+        self.slot: EngineSlot | None = None
         backend = create_backend(llm_config)
         try:
             await backend.start()
         except BaseException:
             backend.shutdown()
             raise
-        self.backend = backend
+        # The slot moves the engine to another slice when this one is preempted (failover.py).
+        self.slot = EngineSlot(llm_config, backend, create_backend)
+        self.slot.start()
+
+    @property
+    def backend(self) -> Any:
+        """The engine backend serving now (a replacement after a failover)."""
+        return self.slot.backend if self.slot is not None else None
 
     @property
     def model_id(self) -> str:
@@ -97,18 +109,23 @@ class LLMServer:
         return self.backend.card()
 
     def describe(self) -> dict[str, Any]:
-        return self.backend.describe()
+        assert self.slot is not None
+        return {**self.backend.describe(), "failovers": self.slot.failovers}
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+        assert self.slot is not None
         try:
-            return await self.backend.handle(endpoint, body)
+            async with self.slot.use() as backend:
+                return await backend.handle(endpoint, body)
         except OpenAIError as e:
             return e
 
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        assert self.slot is not None
         try:
-            async for chunk in self.backend.handle_stream(endpoint, body):
-                yield chunk
+            async with self.slot.use() as backend:
+                async for chunk in backend.handle_stream(endpoint, body):
+                    yield chunk
         except OpenAIError as e:
             yield e
 
@@ -119,16 +136,16 @@ class LLMServer:
         return process_exposition()
 
     async def check_health(self) -> None:
-        """Serve restarts the replica (and so re-reserves its slice) when the engine died."""
-        result = self.backend.check_health()
-        if inspect.isawaitable(result):
-            await result
+        """Serve restarts the replica (and so re-reserves its slice) when the engine died; not while it
+        moves off a preempted slice."""
+        if self.slot is not None:
+            await self.slot.check_health()
 
     def shutdown(self) -> None:
-        """Stop the engine: its workers and the replica's slice (idempotent)."""
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            self.backend = None
-            backend.shutdown()
+        """Stop the engine(s): workers and slices, a replacement's included (idempotent)."""
+        slot = getattr(self, "slot", None)
+        if slot is not None:
+            self.slot = None
+            slot.shutdown()
 
     __del__ = shutdown

@@ -127,6 +127,10 @@ class EmbeddedEngine(PromptEncoder):
             self.worker_info,
         )
 
+    def slice_nodes(self) -> list[str]:
+        """The nodes of the engine's slice (none for an in-process engine)."""
+        return self.group.node_ids() if self.group is not None else []
+
     def describe(self) -> dict[str, Any]:
         emulated = any(w.get("emulated") for w in self.worker_info)
         return {

@@ -145,6 +145,10 @@ class VLLMEngine:
         )
         return f"tensor_parallel_size={tp}, one vLLM worker per chip of {self.spg!r} ({kind})"
 
+    def slice_nodes(self) -> list[str]:
+        """The nodes of the engine's slice (none for vLLM in the replica's process)."""
+        return self.spg.node_ids() if self.spg is not None else []
+
     def describe(self) -> dict[str, Any]:
         import vllm
         from vllm.platforms import current_platform

@@ -1,0 +1,86 @@
+"""Serving through a spot preemption: a replica on a preempted emulated slice moves its engine to the
+spare slice while 16 clients keep sending requests, and none of them fails."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+from _configs import tiny_tp4_config
+
+from tpuray.constants import ROLE_LABEL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _busy_slice() -> str:
+    from tpuray.slices import list_slices
+
+    (busy,) = [s.name for s in list_slices() if s.free_chips < s.chips]
+    return busy
+
+
+def test_preempted_replica_fails_over_with_no_failed_request(
+    emulated_cluster, pg_leak_check, tiny_model_dir
+) -> None:
+    from ray import serve
+
+    from tpuray.serve.llm import LLMServingArgs, build_openai_app
+
+    port = _free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    preemption = None
+    try:
+        config = tiny_tp4_config(tiny_model_dir)
+        # The replica on the CPU head, its engine on a slice: the replica itself moves the engine. (A
+        # replica on a draining host is moved by Ray Serve itself, replica and engine together.)
+        config.deployment_config = {"ray_actor_options": {"label_selector": {ROLE_LABEL: "head"}}}
+        app = build_openai_app(LLMServingArgs(llm_configs=[config], api_key=""))
+        serve.run(app, name="spot", route_prefix="/")
+        handle = serve.get_deployment_handle("LLMServer:tiny", app_name="spot")
+        first_slice = _busy_slice()
+        outcomes: list[tuple[float, int]] = []  # (seconds, HTTP status) per request
+
+        async def load() -> None:
+            nonlocal preemption
+            stop = asyncio.Event()
+
+            async def client(i: int, http: httpx.AsyncClient) -> None:
+                n = 0
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    body = {"model": "tiny", "prompt": f"client {i} req {n}", "max_tokens": 4, "seed": n}
+                    r = await http.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                    outcomes.append((time.perf_counter() - t0, r.status_code))
+                    n += 1
+
+            async with httpx.AsyncClient(timeout=300) as http:
+                clients = [asyncio.create_task(client(i, http)) for i in range(16)]
+                while len(outcomes) < 32:
+                    await asyncio.sleep(0.1)
+                preemption = await asyncio.to_thread(emulated_cluster.preempt_slice, first_slice, 10)
+                deadline = time.monotonic() + 300
+                while (await asyncio.to_thread(lambda: handle.describe.remote().result()))["failovers"] < 1:
+                    assert time.monotonic() < deadline, "the replica never moved its engine"
+                    await asyncio.sleep(0.2)
+                after = len(outcomes)
+                while len(outcomes) < after + 32:  # served on the replacement
+                    await asyncio.sleep(0.1)
+                stop.set()
+                await asyncio.gather(*clients)
+
+        asyncio.run(load())
+        failed = [status for _, status in outcomes if status != 200]
+        assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {sorted(set(failed))}"
+        assert _busy_slice() != first_slice  # the engine runs on the spare slice now
+        assert handle.describe.remote().result()["failovers"] == 1
+    finally:
+        serve.shutdown()
+        if preemption is not None:
+            preemption.restore()  # the node pool brings the preempted slice back

@@ -1,0 +1,199 @@
+"""Ray Data ingestion: TorchTrainer(datasets=..., dataset_config=DataConfig(...)) and
+get_dataset_shard() on the emulated cluster, with real Ray Data pipelines (streaming_split, map_batches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import ray
+import ray.cloudpickle
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _data_loops  # noqa: E402
+
+from tpuray.constants import ROLE_LABEL  # noqa: E402
+from tpuray.emulator import SliceRequest  # noqa: E402
+from tpuray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from tpuray.train.torch import TorchTrainer  # noqa: E402
+from tpuray.validation import ConfigError  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(_data_loops)
+
+TPU_2X2 = {"use_tpu": True, "topology": "2x2", "accelerator_type": "TPU-V6E"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_ray_data():
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    before = ctx.enable_progress_bars
+    ctx.enable_progress_bars = False
+    yield
+    ctx.enable_progress_bars = before
+
+
+def _tagged(n: int, nodes_dir, blocks: int = 8):
+    os.makedirs(nodes_dir, exist_ok=True)
+    return ray.data.range(n, override_num_blocks=blocks).map_batches(
+        _data_loops.tag_node, fn_kwargs={"out": str(nodes_dir)}, batch_format="numpy"
+    )
+
+
+def _ranks(out_dir, attempt: int = 0) -> list[dict]:
+    docs = []
+    rank = 0
+    while (path := out_dir / f"shard-attempt{attempt}-rank{rank}.json").exists():
+        docs.append(json.loads(path.read_text()))
+        rank += 1
+    return docs
+
+
+def _map_nodes(nodes_dir) -> set[str]:
+    return {p.read_text() for p in nodes_dir.glob("*.node")}
+
+
+def _head_node_id() -> str:
+    (head,) = [
+        n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Labels", {}).get(ROLE_LABEL) == "head"
+    ]
+    return head
+
+
+def _alive_split_coordinators() -> set[str]:
+    actors = ray._private.state.actors(actor_state_name="ALIVE")
+    return {a for a, info in actors.items() if info.get("ActorClassName") == "SplitCoordinator"}
+
+
+def _assert_no_new_coordinators(before: set[str]) -> None:
+    """The attempts' streaming_split coordinators were killed (the GCS records a kill asynchronously:
+    allow it a moment to land, as pg_leak_check does)."""
+    deadline = time.monotonic() + 10.0
+    while (_alive_split_coordinators() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (_alive_split_coordinators() - before), "split coordinator actors leaked"
+
+
+def _assert_each_row_once(ranks: list[dict], n: int, epochs: int) -> None:
+    world = len(ranks)
+    for epoch in range(epochs):
+        per_rank = [r["epochs"][epoch] for r in ranks]
+        assert [len(ids) for ids in per_rank] == [n // world] * world  # equal shards
+        seen = [i for ids in per_rank for i in ids]
+        assert sorted(seen) == list(range(n)), f"epoch {epoch}: rows missing or repeated"
+
+
+def test_split_every_row_once_per_epoch_on_2x2(emulated_cluster, pg_leak_check, tmp_path) -> None:
+    """4 workers, 2 epochs: every row of "train" exactly once per epoch across the ranks, in equal shards,
+    as torch tensors on the tpu device by default; "val" (not split) whole on every rank; map_batches ran
+    on the CPU head only (not on the TPU hosts, which have CPUs too); no split coordinator left."""
+    nodes = tmp_path / "nodes"
+    coordinators_before = _alive_split_coordinators()
+    trainer = TorchTrainer(
+        _data_loops.shard_loop,
+        train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "val": True},
+        scaling_config=ScalingConfig(num_workers=4, **TPU_2X2),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="data2x2", verbose=0),
+        datasets={"train": _tagged(64, nodes), "val": _tagged(10, nodes, blocks=2)},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+    result = trainer.fit()
+    assert result.error is None
+    assert [m["epoch"] for m in result.metrics_history] == [1, 2]
+    ranks = _ranks(tmp_path)
+    assert len(ranks) == 4
+    _assert_each_row_once(ranks, 64, 2)
+    assert all(r["devices"] == ["tpu"] and r["is_data_iterator"] for r in ranks)
+    assert all(r["val"] == list(range(10)) for r in ranks)  # not split: every worker gets all of it
+    assert _map_nodes(nodes) == {_head_node_id()}
+    _assert_no_new_coordinators(coordinators_before)
+
+
+def test_restart_recreates_the_split(emulated_cluster, pg_leak_check, tmp_path) -> None:
+    """A worker process dies mid-epoch (2 CPU workers): the restarted attempt gets a fresh split (every
+    row once per epoch again) and the first attempt's coordinator is gone."""
+    nodes = tmp_path / "nodes"
+    coordinators_before = _alive_split_coordinators()
+    trainer = TorchTrainer(
+        _data_loops.shard_loop,
+        train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "crash_rank": 1},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            storage_path=str(tmp_path / "results"),
+            name="data-restart",
+            failure_config=FailureConfig(max_failures=1),
+            verbose=0,
+        ),
+        datasets={"train": _tagged(48, nodes)},
+    )
+    result = trainer.fit()
+    assert result.num_failures == 1 and result.error is None
+    assert [m["attempt"] for m in result.metrics_history] == [1, 1]  # no checkpoint: both epochs again
+    _assert_each_row_once(_ranks(tmp_path, attempt=1), 48, 2)
+    _assert_no_new_coordinators(coordinators_before)
+
+
+def test_bad_dataset_config_is_a_clear_error(emulated_cluster) -> None:
+    from ray.train import DataConfig as RayDataConfig
+
+    ds = ray.data.range(8)
+    loop = _data_loops.shard_loop
+    with pytest.raises(ConfigError, match=r"\['nope'\].*valid: \['train'\]"):
+        TorchTrainer(loop, datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=["nope"]))
+    from ray.data import ExecutionOptions
+
+    with pytest.raises(ConfigError, match=r"\['other'\]"):
+        TorchTrainer(
+            loop,
+            datasets={"train": ds},
+            dataset_config=DataConfig(execution_options={"other": ExecutionOptions()}),
+        )
+    with pytest.raises(ConfigError, match="datasets_to_split=7"):
+        DataConfig(datasets_to_split=7)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="execution_options='fast'"):
+        DataConfig(execution_options="fast")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"execution_options\['train'\]=1"):
+        DataConfig(execution_options={"train": 1})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="enable_shard_locality='yes'"):
+        DataConfig(enable_shard_locality="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"datasets\['train'\]=\[1, 2\]"):
+        TorchTrainer(loop, datasets={"train": [1, 2]})
+    with pytest.raises(ConfigError, match="without datasets"):
+        TorchTrainer(loop, dataset_config=DataConfig())
+    with pytest.raises(TypeError, match="tpuray.train.DataConfig"):
+        TorchTrainer(loop, datasets={"train": ds}, dataset_config=RayDataConfig())
+
+
+def test_get_dataset_shard_outside_a_run() -> None:
+    from tpuray import train
+
+    with pytest.raises(RuntimeError, match="only works inside train_loop_per_worker"):
+        train.get_dataset_shard("train")
+
+
+@pytest.mark.slow
+def test_split_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
+    """16 workers on 4 emulated hosts: every row exactly once per epoch, equal shards, map_batches on the
+    CPU head."""
+    cluster_manager.get(SliceRequest("TPU-V6E", "4x4"), head_cpus=2)
+    nodes = tmp_path / "nodes"
+    trainer = TorchTrainer(
+        _data_loops.shard_loop,
+        train_loop_config={"epochs": 2, "out_dir": str(tmp_path)},
+        scaling_config=ScalingConfig(
+            num_workers=16, use_tpu=True, topology="4x4", accelerator_type="TPU-V6E"
+        ),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="data4x4", verbose=0),
+        datasets={"train": _tagged(256, nodes, blocks=16)},
+    )
+    result = trainer.fit()
+    assert result.error is None
+    ranks = _ranks(tmp_path)
+    assert len(ranks) == 16
+    _assert_each_row_once(ranks, 256, 2)
+    assert all(r["devices"] == ["tpu"] for r in ranks)
+    assert _map_nodes(nodes) == {_head_node_id()}
