@@ -231,41 +231,16 @@ def test_json_object_and_text_formats(server):
 def test_logit_bias_stop_token_ids_and_penalties_steer_the_output(server):
     tok = server.engine.tokenizer
     a = tok.convert_tokens_to_ids("a")
-    forced = _run(
-        server.handle(
-            "completions",
-            {"model": "tiny", "prompt": "x", "max_tokens": 5, "temperature": 0, "logit_bias": {str(a): 100}},
-        )
-    )["choices"][0]
+
+    def complete(**fields) -> dict:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "temperature": 0, **fields}
+        return _run(server.handle("completions", body))["choices"][0]
+
+    forced = complete(logit_bias={str(a): 100})
     assert forced["text"] == "aaaaa"
-    stopped = _run(
-        server.handle(
-            "completions",
-            {
-                "model": "tiny",
-                "prompt": "x",
-                "max_tokens": 5,
-                "temperature": 0,
-                "logit_bias": {str(a): 100},
-                "stop_token_ids": [a],
-            },
-        )
-    )["choices"][0]
+    stopped = complete(logit_bias={str(a): 100}, stop_token_ids=[a])
     assert stopped["text"] == "" and stopped["finish_reason"] == "stop"
-    varied = _run(
-        server.handle(
-            "completions",
-            {
-                "model": "tiny",
-                "prompt": "x",
-                "max_tokens": 5,
-                "temperature": 0,
-                "logit_bias": {str(a): 5},
-                "frequency_penalty": 2.0,
-                "presence_penalty": 2.0,
-            },
-        )
-    )["choices"][0]["text"]
+    varied = complete(logit_bias={str(a): 5}, frequency_penalty=2.0, presence_penalty=2.0)["text"]
     assert varied.count("a") < 5  # the penalties push the biased token back down after it appears
 
 

@@ -37,6 +37,15 @@ def _dump_env(out_dir: str, extra: dict) -> None:
         json.dump(doc, f)
 
 
+def _resumed(key: str) -> int:
+    """`key` from state.pt of the checkpoint this attempt was restored from, else 0."""
+    restored = train.get_checkpoint()
+    if restored is None:
+        return 0
+    with restored.as_directory() as d:
+        return torch.load(os.path.join(d, "state.pt"))[key]
+
+
 def seed_loop(config: dict) -> str:
     """The seed's loop (10 epochs by default) plus per-rank env dumps and rank-0 checkpoints."""
     device = tt.get_device()
@@ -63,11 +72,7 @@ def seed_loop(config: dict) -> str:
 def resumable_loop(config: dict) -> None:
     """Checkpoints every epoch; on the first attempt rank 0 signals after `kill_after` epochs and waits
     to be killed (the test kills its host)."""
-    start = 0
-    restored = train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"))["epoch"]
+    start = _resumed("epoch")
     ctx = train.get_context()
     for epoch in range(start, config["epochs"]):
         with tempfile.TemporaryDirectory() as d:
@@ -119,11 +124,7 @@ def env_dump_then(config: dict) -> None:
 def crashing_loop(config: dict) -> None:
     """DDP training with a checkpoint per epoch; on the first attempt rank 1's process dies mid-run (as a
     crashed or OOM-killed worker would) while rank 0 is in a collective with it."""
-    start = 0
-    restored = train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"))["epoch"]
+    start = _resumed("epoch")
     ctx = train.get_context()
     model = tt.prepare_model(nn.Linear(4, 1))
     for epoch in range(start, config["epochs"]):
@@ -142,11 +143,7 @@ def preemptible_loop(config: dict) -> None:
     its node id to `marker` once it reaches `signal_at` steps on the first attempt."""
     import torch.distributed as dist
 
-    start = 0
-    restored = train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"))["step"]
+    start = _resumed("step")
     ctx = train.get_context()
     device = tt.get_device()
     for step in range(start, config["steps"]):

@@ -15,8 +15,9 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from tpuray.train import CheckpointConfig, CheckpointUploadError, CheckpointUploadMode
+from tpuray.train.checkpoint import PARTIAL_SUFFIX
 from tpuray.train.session import ReportRecord
-from tpuray.train.upload import PARTIAL_SUFFIX, SNAPSHOT_PREFIX, UploadQueue, parse_upload_mode
+from tpuray.train.upload import SNAPSHOT_PREFIX, UploadQueue, parse_upload_mode
 from tpuray.validation import ConfigError
 
 ASYNC, SYNC = CheckpointUploadMode.ASYNC, CheckpointUploadMode.SYNC

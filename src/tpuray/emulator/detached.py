@@ -163,7 +163,7 @@ def preempt(
     return answer
 
 
-def _answer_requests(cluster: Any, directory: Path, pending: list) -> None:
+def _answer_requests(cluster: Any, directory: Path) -> None:
     """Carry out preempt requests written by preempt() (each answered in a .reply file)."""
     requests = directory / REQUESTS_DIR
     for file in sorted(requests.glob("*.json")) if requests.is_dir() else []:
@@ -177,7 +177,6 @@ def _answer_requests(cluster: Any, directory: Path, pending: list) -> None:
                 p = cluster.preempt_slice(req["slice"], req["notice_s"], req.get("restore_after_s"))
             else:
                 p = cluster.preempt_host(req["node_id"], req["notice_s"], req.get("restore_after_s"))
-            pending.append(p)
             answer: dict[str, Any] = {"node_ids": p.node_ids, "deadline": p.deadline}
         except Exception as e:  # noqa: BLE001 - the answer carries it to the CLI
             answer = {"error": str(e)}
@@ -232,12 +231,12 @@ def _serve(args: argparse.Namespace) -> int:
         state = {**_state(cluster), "started": time.time()}
         _write_state(directory, state)
         print(f"{cluster!r} ready", flush=True)
-        preemptions: list[Any] = []
+        hosts = [list(s.node_ids) for s in cluster.slices]
         while not stop.wait(0.2):
-            _answer_requests(cluster, directory, preemptions)
-            current = _state(cluster)
-            if current["slices"] != state["slices"]:  # a host was preempted or came back
-                state = {**current, "started": state["started"]}
+            _answer_requests(cluster, directory)
+            if [list(s.node_ids) for s in cluster.slices] != hosts:  # a preempted host came back
+                hosts = [list(s.node_ids) for s in cluster.slices]
+                state = {**_state(cluster), "started": state["started"]}
                 _write_state(directory, state)
         print("stopping emulated cluster", flush=True)
     (directory / STATE_FILE).unlink(missing_ok=True)

@@ -112,12 +112,11 @@ class DrainWatch:
         if not ours:
             return self.info  # a drain, once seen, stands until the node is gone
         deadlines = [d for d in ours.values() if d]
+        if self.info is not None and self.info.deadline_ms is not None:
+            deadlines.append(self.info.deadline_ms)
         seen = self.info.preempted_node_to_ranks if self.info else {}
         nodes = {**seen, **{node: self.domains[node] for node in ours}}
-        earliest = min(deadlines, default=None)
-        if self.info and self.info.deadline_ms is not None:
-            earliest = min(earliest or self.info.deadline_ms, self.info.deadline_ms)
-        self.info = PreemptionInfo(earliest, dict(sorted(nodes.items())))
+        self.info = PreemptionInfo(min(deadlines, default=None), dict(sorted(nodes.items())))
         return self.info
 
 

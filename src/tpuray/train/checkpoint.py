@@ -77,18 +77,44 @@ def checkpoint_dir(run_path: str, index: int) -> str:
     return join(run_path, f"{CHECKPOINT_PREFIX}{index:06d}")
 
 
+PARTIAL_SUFFIX = ".tpuray-partial"  # a local file being uploaded, renamed into place once complete
+
+
+def same_dir(src_dir: str, dest_url: str) -> bool:
+    """`dest_url` is `src_dir` itself (the loop wrote straight into the run's checkpoint directory)."""
+    return is_local(dest_url) and os.path.abspath(local_path(dest_url)) == os.path.abspath(src_dir)
+
+
 def upload(src_dir: str, dest_url: str) -> None:
-    """Copy a local directory's contents into `dest_url` (merged with what other ranks uploaded)."""
+    """Copy a local directory's contents into `dest_url` (merged with what other ranks uploaded). Local
+    destinations get each file under a temporary name, then renamed into place, so no file is ever seen
+    half-written under its own name."""
     if not os.path.isdir(src_dir):
         raise ValueError(f"checkpoint directory {src_dir!r} does not exist or is not a directory")
-    if is_local(dest_url):
-        dest = local_path(dest_url)
-        if os.path.abspath(dest) != os.path.abspath(src_dir):
-            shutil.copytree(src_dir, dest, dirs_exist_ok=True)
+    if same_dir(src_dir, dest_url):
         return
-    fs, root = _fs(dest_url)
-    fs.makedirs(root, exist_ok=True)
-    fs.put(src_dir.rstrip("/") + "/", root.rstrip("/") + "/", recursive=True)
+    if not is_local(dest_url):
+        fs, root = _fs(dest_url)
+        fs.makedirs(root, exist_ok=True)
+        fs.put(src_dir.rstrip("/") + "/", root.rstrip("/") + "/", recursive=True)
+        return
+    dest = local_path(dest_url)
+    suffix = f"{PARTIAL_SUFFIX}-{os.getpid()}"
+    for root, dirs, files in os.walk(src_dir, followlinks=True):
+        dirs.sort()
+        rel = os.path.relpath(root, src_dir)
+        target = dest if rel == "." else os.path.join(dest, rel)
+        os.makedirs(target, exist_ok=True)
+        for name in sorted(files):
+            final = os.path.join(target, name)
+            partial = final + suffix
+            try:
+                shutil.copy2(os.path.join(root, name), partial)
+                os.replace(partial, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+                raise
 
 
 def ensure_dir(url: str) -> None:

@@ -233,14 +233,13 @@ class TrainDatasets:
         return AttemptShards(per_rank, coordinators, self.data_context)
 
 
-def tpu_accelerator_types() -> list[str]:
-    """Ray accelerator-type labels of TPU hosts: every generation tpuray knows + any TPU node alive now."""
-    import ray
-
+def tpu_accelerator_types(nodes: list[dict[str, Any]]) -> list[str]:
+    """Ray accelerator-type labels of TPU hosts: every generation tpuray knows + any TPU node alive in
+    `nodes` (`ray.nodes()`)."""
     from tpuray.topology.catalog import GENERATIONS
 
     types = {g.accelerator_type for g in GENERATIONS}
-    for node in ray.nodes():
+    for node in nodes:
         if node.get("Alive") and node.get("Resources", {}).get(TPU_RESOURCE, 0) > 0:
             label = (node.get("Labels") or {}).get(ACCELERATOR_LABEL)
             if label:
@@ -257,10 +256,11 @@ def _keep_off_tpu_hosts(name: str, options: ExecutionOptions) -> None:
 
     if options.label_selector:
         return
-    types = tpu_accelerator_types()
+    nodes = ray.nodes()
+    types = tpu_accelerator_types(nodes)
     options.label_selector = {ACCELERATOR_LABEL: f"!in({','.join(types)})"}
     cpus = 0.0
-    for node in ray.nodes():
+    for node in nodes:
         res = node.get("Resources", {})
         label = (node.get("Labels") or {}).get(ACCELERATOR_LABEL)
         if node.get("Alive") and res.get(TPU_RESOURCE, 0) == 0 and label not in types:

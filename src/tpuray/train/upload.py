@@ -43,12 +43,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuray.train.checkpoint import _fs, is_local, local_path
+from tpuray.train.checkpoint import same_dir, upload
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger("tpuray.train")
 
-PARTIAL_SUFFIX = ".tpuray-partial"
 SNAPSHOT_PREFIX = ".tpuray-snapshot-"
 
 
@@ -78,40 +77,6 @@ def parse_upload_mode(value: Any, what: str) -> CheckpointUploadMode:
 
 class CheckpointUploadError(RuntimeError):
     """A checkpoint could not be uploaded completely; it is not committed."""
-
-
-# ---- copying --------------------------------------------------------------------------------------------
-def upload_dir(src_dir: str, dest_url: str) -> None:
-    """Copy a local directory's files into `dest_url` (merged with what other ranks uploaded). Local
-    destinations get each file under a temporary name, then renamed into place."""
-    if not is_local(dest_url):
-        fs, root = _fs(dest_url)
-        fs.makedirs(root, exist_ok=True)
-        fs.put(src_dir.rstrip("/") + "/", root.rstrip("/") + "/", recursive=True)
-        return
-    dest = local_path(dest_url)
-    suffix = f"{PARTIAL_SUFFIX}-{os.getpid()}"
-    for root, dirs, files in os.walk(src_dir, followlinks=True):
-        dirs.sort()
-        rel = os.path.relpath(root, src_dir)
-        target = dest if rel == "." else os.path.join(dest, rel)
-        os.makedirs(target, exist_ok=True)
-        for name in sorted(files):
-            final = os.path.join(target, name)
-            partial = final + suffix
-            try:
-                shutil.copy2(os.path.join(root, name), partial)
-                os.replace(partial, final)
-            except BaseException:
-                try:
-                    os.unlink(partial)
-                except OSError:
-                    pass
-                raise
-
-
-def same_dir(src_dir: str, dest_url: str) -> bool:
-    return is_local(dest_url) and os.path.abspath(local_path(dest_url)) == os.path.abspath(src_dir)
 
 
 # ---- snapshots ------------------------------------------------------------------------------------------
@@ -236,7 +201,7 @@ class UploadQueue:
             return
         if mode is CheckpointUploadMode.SYNC:
             try:
-                upload_dir(source, dest)
+                upload(source, dest)
             except Exception as exc:
                 raise CheckpointUploadError(_failed(record.index, source, dest, exc)) from exc
             with self._lock:
@@ -252,7 +217,7 @@ class UploadQueue:
 
     def _upload(self, snap: Snapshot, dest: str) -> None:
         try:
-            upload_dir(snap.path, dest)
+            upload(snap.path, dest)
             changed = snap.changed_files()
             if changed:
                 raise CheckpointUploadError(
