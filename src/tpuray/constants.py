@@ -50,6 +50,8 @@ HOST_ENV = (
 )
 # Set by Ray per worker process holding {"TPU": n}.
 TPU_VISIBLE_CHIPS_ENV = "TPU_VISIBLE_CHIPS"
+# A process's rank within its slice (libtpu / TorchTPU), set per process by `tpuray.isolation.process_env`.
+CLOUD_TPU_TASK_ID_ENV = "CLOUD_TPU_TASK_ID"
 # Ray's single-process sub-host bounds (1-2 chip shares): they describe an isolated 1-host slice.
 RAY_SUBHOST_BOUNDS_ENV = ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
 
@@ -67,3 +69,10 @@ MODEL_CACHE_ENV = "TPURAY_MODEL_CACHE"  # where model_source URLs are downloaded
 VLLM_PLATFORM_ENV = "TPURAY_VLLM_PLATFORM"  # "emulated-tpu": vLLM in this process serves an emulated slice
 # MLflow 3 refuses file stores unless this is "true": MLflowLoggerCallback sets it (when unset) for one.
 MLFLOW_ALLOW_FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
+
+# -- Bounds on the training driver's waits: a slice or host lost at any point never hangs fit() ----------
+UPLOAD_TIMEOUT_ENV = "TPURAY_TRAIN_UPLOAD_TIMEOUT_S"  # one checkpoint upload (report() / end of the loop)
+DEFAULT_UPLOAD_TIMEOUT_S = 1800.0
+WORKER_CALL_TIMEOUT_S = 60.0  # a call a live training worker answers at once (its reports, a ping)
+PREEMPTION_NOTIFY_TIMEOUT_S = 10.0  # the workers acknowledge a preemption notice (well within any notice)
+DRAIN_REQUEST_TIMEOUT_S = 30.0  # a drain request to Ray's GCS (the emulator's preemptions; Ray's: none)

@@ -54,11 +54,10 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         from tpuray.serve.llm.config import ENGINES
-        from tpuray.validation import check_choice
+        from tpuray.validation import check_choice, check_positive_int
 
         check_choice("engine", self.engine, ENGINES)
-        if self.epochs < 1:
-            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
+        check_positive_int("epochs", self.epochs)
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
 

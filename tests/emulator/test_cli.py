@@ -26,6 +26,12 @@ def test_bad_topology_is_a_usage_error(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing started
 
 
+def test_bad_num_slices_is_a_usage_error(tmp_path) -> None:
+    out = _tpuray("emulate", "up", "--topology", "2x2", "--num-slices", "0", "--state-dir", str(tmp_path))
+    assert out.returncode == 2 and "--num-slices=0 is invalid: use an integer >= 1" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
 def test_status_lists_emulated_slices(emulated_cluster) -> None:
     out = _tpuray("status", "--address", emulated_cluster.address)
     assert out.returncode == 0, out.stderr

@@ -173,10 +173,26 @@ def _three_steps(model: torch.nn.Module, world: int) -> None:
 
 
 def plain_ddp(rank: int, world: int) -> None:
-    """DDP built directly on the tpu device (c10d prints its time-stats warning here)."""
+    """DDP built directly on the tpu device, as a user's script or Ray Train's prepare_model does: c10d's
+    time-stats sampling is off for it (tpuray.runtime.ddp), the rest of its logger works."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _three_steps(DDP(_model(torch.float32).to("tpu")), world)
+    model = DDP(_model(torch.float32).to("tpu"))
+    _three_steps(model, world)
+    assert model._get_ddp_logging_data()["backend_name"] == "tpu_dist"
+
+
+def c10d_time_stats(rank: int, world: int) -> None:
+    """The control: c10d's own logger under the tpuray wrapper, sampled after three steps, prints the
+    time-stats warning (so its absence elsewhere means the wrapper silenced it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tpuray.runtime.ddp import NoRuntimeStatsLogger
+
+    model = DDP(_model(torch.float32).to("tpu"))
+    _three_steps(model, world)
+    assert isinstance(model.logger, NoRuntimeStatsLogger)
+    model.logger.wrapped.set_runtime_stats_and_log()
 
 
 def prepare_model(rank: int, world: int) -> None:
@@ -197,6 +213,7 @@ CHECKS = {
     "training": training,
     "plain_ddp": plain_ddp,
     "prepare_model": prepare_model,
+    "c10d_time_stats": c10d_time_stats,
 }
 
 

@@ -6,6 +6,7 @@ import argparse
 import time
 
 from tpuray.cli import UsageError
+from tpuray.validation import check_positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from tpuray.emulator import detached
 
     if args.action == "up":
-        if args.num_slices < 1:
-            raise UsageError(f"--num-slices must be >= 1, got {args.num_slices}")
+        check_positive_int("--num-slices", args.num_slices)
         try:
             state = detached.up(
                 args.accelerator_type,

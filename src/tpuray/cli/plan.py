@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 EPILOG = """\
 examples:
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from tpuray.topology.report import plan_dict, plan_text
 
     topo = SliceTopology.parse(args.accelerator_type, args.topology)
-    if args.limit < 0:
-        raise ConfigError(f"--limit {args.limit} must be >= 0")
+    check_positive_int("--limit", args.limit, minimum=0)
     hostnames = None
     if args.hostnames is not None:
         if args.num_slices != 1:

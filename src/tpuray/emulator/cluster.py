@@ -19,7 +19,7 @@ from typing import Any
 
 from tpuray.constants import ROLE_LABEL, VLLM_PLATFORM_ENV
 from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,7 @@ class EmulatedCluster:
         if isinstance(slices, SliceRequest):
             slices = [slices]
         self.requests: list[SliceRequest] = list(slices)
-        if head_cpus < 0:
-            raise ConfigError(f"head_cpus must be >= 0, got {head_cpus}")
+        check_positive_int("head_cpus", head_cpus, minimum=0)
         if host_memory_gb <= 0:
             raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
         if object_store_mb < 75:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.constants import STATE_DIR_ENV
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 STATE_FILE = "cluster.json"
 REQUESTS_DIR = "requests"  # preempt requests from the CLI to the detached process
@@ -74,8 +74,8 @@ def up(
     from tpuray.emulator.spec import SliceRequest
 
     SliceRequest(accelerator_type, topology, num_slices)  # validate before starting anything
-    if head_cpus < 0 or cpus_per_chip < 1:
-        raise ConfigError(f"head_cpus must be >= 0 and cpus_per_chip >= 1, got {head_cpus}, {cpus_per_chip}")
+    check_positive_int("head_cpus", head_cpus, minimum=0)
+    check_positive_int("cpus_per_chip", cpus_per_chip)
     directory = state_dir(path)
     running = read_state(directory)
     if running:

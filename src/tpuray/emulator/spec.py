@@ -26,7 +26,7 @@ from tpuray.constants import (
     accelerator_resource,
 )
 from tpuray.topology import SliceTopology
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
 
@@ -40,8 +40,7 @@ class SliceRequest:
     count: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
-            raise ConfigError(f"SliceRequest count must be an integer >= 1, got {self.count!r}")
+        check_positive_int("SliceRequest.count", self.count)
         SliceTopology.parse(self.accelerator_type, self.topology)  # ValueError naming what is valid
 
     @property
@@ -157,8 +156,7 @@ def plan_slices(
     """Name every requested slice (`<prefix>-<pod type>-<i>`) and lay out its hosts."""
     if not requests:
         raise ConfigError("an emulated cluster needs at least one SliceRequest, got none")
-    if cpus_per_chip < 1:
-        raise ConfigError(f"cpus_per_chip must be >= 1, got {cpus_per_chip}")
+    check_positive_int("cpus_per_chip", cpus_per_chip)
     slices: list[EmulatedSlice] = []
     index: dict[str, int] = {}
     for req in requests:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.topology import SliceTopology
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 # Ray generation name (tpuray.topology Generation.name) -> GKE accelerator node label value.
 GKE_TPU_ACCELERATORS: dict[str, str] = {
@@ -114,8 +114,7 @@ class K8sConfig:
         kind = normalize_kind(self.kind)
         _set(self, "slice_topology", topo)
         _set(self, "kind", kind)
-        if isinstance(self.num_slices, bool) or not isinstance(self.num_slices, int) or self.num_slices < 1:
-            raise ConfigError(f"num_slices must be an integer >= 1, got {self.num_slices!r}")
+        check_positive_int("num_slices", self.num_slices)
         if not self.ray_version:
             _set(self, "ray_version", default_ray_version())
         if not re.fullmatch(r"\d+\.\d+\.\d+\S*", self.ray_version):

@@ -107,9 +107,11 @@ def _register_emulation() -> None:
     import torch.distributed as dist
 
     if dist.is_available():
+        from tpuray.runtime import ddp
         from tpuray.runtime.dist import register_backend
 
         register_backend()
+        ddp.install()  # DDP on the tpu device: no c10d "Time stats ..." warning per process
     _mode = "emulated"
     log.info(
         "tpuray: the 'tpu' device and 'tpu_dist' backend are EMULATED on CPU in this process "

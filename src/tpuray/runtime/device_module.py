@@ -67,7 +67,7 @@ def set_device(device: torch.device | str | int) -> None:
     if not 0 <= idx < device_count():
         raise ValueError(
             f"tpu device index {idx} is out of range: this process sees {device_count()} chip(s) "
-            f"(TPU_VISIBLE_CHIPS={os.environ.get('TPU_VISIBLE_CHIPS', '<unset>')!r})"
+            f"({TPU_VISIBLE_CHIPS_ENV}={os.environ.get(TPU_VISIBLE_CHIPS_ENV, '<unset>')!r})"
         )
     _current = idx
 

@@ -10,8 +10,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tpuray.constants import (
+    CLOUD_TPU_TASK_ID_ENV,
+    TPU_ACCELERATOR_TYPE_ENV,
+    TPU_TOPOLOGY_ENV,
+    TPU_VISIBLE_CHIPS_ENV,
+    TPU_WORKER_HOSTNAMES_ENV,
+    TPU_WORKER_ID_ENV,
+)
 from tpuray.topology.slice import Coords, SliceTopology
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int, is_int
 
 DEFAULT_PROCESS_PORT = 8476  # libtpu TPU_PROCESS_PORT base (torch_xla's default)
 DEFAULT_SLICEBUILDER_PORT = 8070  # TorchTPU slice builder base port, + local rank
@@ -79,16 +87,16 @@ def _build_shared(
         "TPU_CHIPS_PER_PROCESS_BOUNDS": _csv(share),
         "TPU_PROCESS_BOUNDS": _csv(process_bounds),
         "TPU_PROCESS_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in ports),
-        "TPU_WORKER_HOSTNAMES": ",".join(hosts),
-        "TPU_ACCELERATOR_TYPE": topo.pod_type,
-        "TPU_TOPOLOGY": topo.topology,
+        TPU_WORKER_HOSTNAMES_ENV: ",".join(hosts),
+        TPU_ACCELERATOR_TYPE_ENV: topo.pod_type,
+        TPU_TOPOLOGY_ENV: topo.topology,
         "TORCH_TPU_TOPOLOGY": _csv(topology_dims),
         "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in sb_ports),
         "TORCH_TPU_DEVICES_PER_HOST": str(topo.devices_per_host),
     }
     local_envs = tuple(
         {
-            "TPU_VISIBLE_CHIPS": _csv(range(p * chips_per_process, (p + 1) * chips_per_process)),
+            TPU_VISIBLE_CHIPS_ENV: _csv(range(p * chips_per_process, (p + 1) * chips_per_process)),
             "TPU_PROCESS_PORT": str(ports[p]),
             **common,
         }
@@ -111,8 +119,8 @@ def _shared_cached(
 def _env(shared: _Shared, rank: int) -> dict[str, str]:
     host, local = divmod(rank, shared.procs_per_host)
     env = shared.local_envs[local].copy()
-    env["TPU_WORKER_ID"] = str(host)
-    env["CLOUD_TPU_TASK_ID"] = str(rank)
+    env[TPU_WORKER_ID_ENV] = str(host)
+    env[CLOUD_TPU_TASK_ID_ENV] = str(rank)
     return env
 
 
@@ -172,8 +180,8 @@ def worker_envs(
         worker_id = str(host)
         for base in shared.local_envs:
             env = base.copy()
-            env["TPU_WORKER_ID"] = worker_id
-            env["CLOUD_TPU_TASK_ID"] = str(rank)
+            env[TPU_WORKER_ID_ENV] = worker_id
+            env[CLOUD_TPU_TASK_ID_ENV] = str(rank)
             append(env)
             rank += 1
     return out
@@ -184,9 +192,8 @@ def multislice_env(
 ) -> dict[str, str]:
     """MEGASCALE_* variables for a multi-slice job (same names and default port as Ray's
     `get_tpu_coordinator_env_vars`)."""
-    if not isinstance(num_slices, int) or num_slices < 1:
-        raise ConfigError(f"num_slices={num_slices!r} must be an integer >= 1")
-    if not isinstance(slice_id, int) or not 0 <= slice_id < num_slices:
+    check_positive_int("num_slices", num_slices)
+    if not is_int(slice_id) or not 0 <= slice_id < num_slices:
         raise ConfigError(f"slice_id={slice_id!r} out of range; valid: 0..{num_slices - 1}")
     _check_port("port", port, 0)
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tpuray.constants import CLOUD_TPU_TASK_ID_ENV, TPU_VISIBLE_CHIPS_ENV, TPU_WORKER_ID_ENV
 from tpuray.topology.env import (
     DEFAULT_PROCESS_PORT,
     default_hostnames,
@@ -13,10 +14,10 @@ from tpuray.topology.env import (
     worker_envs,
 )
 from tpuray.topology.slice import SliceTopology
-from tpuray.validation import ConfigError
+from tpuray.validation import ConfigError, check_positive_int
 
 # Entries of worker_env that differ between processes of a slice; the rest is common.
-PER_PROCESS_KEYS = ("TPU_WORKER_ID", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID")
+PER_PROCESS_KEYS = (TPU_WORKER_ID_ENV, TPU_VISIBLE_CHIPS_ENV, "TPU_PROCESS_PORT", CLOUD_TPU_TASK_ID_ENV)
 
 
 def slice_hostnames(topo: SliceTopology, num_slices: int, slice_id: int) -> list[str]:
@@ -30,8 +31,7 @@ def slice_hostnames(topo: SliceTopology, num_slices: int, slice_id: int) -> list
 
 
 def _check_slices(num_slices: int) -> None:
-    if not isinstance(num_slices, int) or num_slices < 1:
-        raise ConfigError(f"num_slices={num_slices!r} must be an integer >= 1")
+    check_positive_int("num_slices", num_slices)
 
 
 def plan_dict(

@@ -106,31 +106,8 @@ def prepare_model(
     if device.type == "cuda":
         kwargs.setdefault("device_ids", [device])
         kwargs.setdefault("output_device", device)
-    ddp = DistributedDataParallel(model, **kwargs)
-    if device.type == "tpu" and _emulated():
-        ddp.logger = _NoRuntimeStatsLogger(ddp.logger)  # type: ignore[assignment]
-    return ddp
-
-
-def _emulated() -> bool:
-    from tpuray.runtime import is_emulated
-
-    return is_emulated()
-
-
-class _NoRuntimeStatsLogger:
-    """DDP's C++ logger minus runtime stats: c10d has no timer for the emulated tpu device, so sampling
-    them only prints "Time stats are currently only collected for CPU and CUDA devices" once per worker
-    (16 lines on a 4x4 slice). Everything else is forwarded."""
-
-    def __init__(self, logger: Any) -> None:
-        self._logger = logger
-
-    def set_runtime_stats_and_log(self) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._logger, name)
+    # On the emulated tpu device DDP's time-stats warning is off process-wide (tpuray.runtime.ddp).
+    return DistributedDataParallel(model, **kwargs)
 
 
 def prepare_data_loader(

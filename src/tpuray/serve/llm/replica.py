@@ -16,14 +16,11 @@ instead of raising it, so a bad request costs no exception traceback in the repl
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.protocol import OpenAIError
-
-logger = logging.getLogger(__name__)
 
 
 class EngineBackend:

@@ -11,12 +11,18 @@ Anywhere else (TPURAY_EMULATION unset) `import torch_tpu` raises ImportError, as
 import logging
 import os
 
+# Safe on every host this package can be imported on: the emulator puts it on the import path of
+# processes that run tpuray's own interpreter (tpuray installed), tpuray.constants imports nothing, and
+# `import torch` already imports tpuray (its backend entry point). Without tpuray this raises
+# ModuleNotFoundError, an ImportError, as the guard below would.
+from tpuray.constants import EMULATION_ENV
+
 EMULATED = True  # tpuray.runtime.detect recognises this package by it (and by its location)
 __version__ = "0.0.0+tpuray.emulated"
 
-if os.environ.get("TPURAY_EMULATION") != "1":
+if os.environ.get(EMULATION_ENV) != "1":
     raise ImportError(
-        "this torch_tpu is tpuray's emulation and works only on emulated TPU hosts (TPURAY_EMULATION=1)"
+        f"this torch_tpu is tpuray's emulation and works only on emulated TPU hosts ({EMULATION_ENV}=1)"
     )
 
 logging.getLogger("tpuray.runtime").info(
