@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import pytest
 import ray
 
 from tpuray.emulator import EmulatedCluster, SliceRequest
+from tpuray.slices.drain import PREEMPTED_DEATH
 
 HOST_ENV = ("TPU_NAME", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY")
 
@@ -77,6 +80,14 @@ def test_bad_requests_raise_before_starting() -> None:
         SliceRequest("TPU-V99", "2x2")
     with pytest.raises(ValueError, match="at least one"):
         EmulatedCluster([])
+    one = [SliceRequest("TPU-V6E", "2x2")]
+    for bad in (0, 1.5, True):  # the shared validator: an int, not a bool, >= 1
+        with pytest.raises(
+            ValueError, match=re.escape(f"cpus_per_chip={bad!r} is invalid: use an integer >= 1")
+        ):
+            EmulatedCluster(one, cpus_per_chip=bad)
+    with pytest.raises(ValueError, match=re.escape("head_cpus=-1 is invalid: use an integer >= 0")):
+        EmulatedCluster(one, head_cpus=-1)
 
 
 def test_kill_and_restore_host(emulated_cluster: EmulatedCluster) -> None:
@@ -123,13 +134,62 @@ def test_preempt_slice_drains_then_kills_then_restores(emulated_cluster: Emulate
     assert not ready
     assert preemption.wait_killed(timeout_s=60)
     assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == old)
-    with pytest.raises(ray.exceptions.RayActorError):
+    # Ray recorded why the host went: the drain's reason (PREEMPTION) and message.
+    assert _death(old) == (PREEMPTED_DEATH, f"emulated preemption of {sl.name}")
+    with pytest.raises(ray.exceptions.RayActorError) as died:
         ray.get(busy.node.remote(), timeout=60)
+    assert died.value.preempted  # what Ray tells the owner of an actor lost that way
     assert preemption.wait_restored(timeout_s=120)
     (new,) = preemption.restored_node_ids
     again = OnSlice.options(label_selector={"ray.io/tpu-slice-name": sl.name}).remote()
     assert sl.node_ids == [new] and ray.get(again.node.remote(), timeout=60) == new  # the replacement
     ray.kill(again)
+
+
+def _death(node_id: str) -> tuple[str, str]:
+    """Ray's record of a dead node: (NodeDeathInfo reason name, message), from ray.nodes()."""
+    from ray.core.generated.common_pb2 import NodeDeathInfo
+
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    assert not node["Alive"]
+    return NodeDeathInfo.Reason.Name(node["DeathReason"]), node["DeathReasonMessage"]
+
+
+def test_preempt_host_drains_that_host_only_then_kills_it_at_the_deadline(
+    emulated_cluster: EmulatedCluster,
+) -> None:
+    from tpuray.slices.drain import dead_nodes, draining_nodes
+
+    sl, other = emulated_cluster.slices[1], emulated_cluster.slices[0]
+    node, bystander = sl.node_ids[0], other.node_ids[0]
+
+    @ray.remote(num_cpus=0, resources={"TPU": 1})
+    class OnHost:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    busy = OnHost.options(label_selector={"ray.io/tpu-slice-name": sl.name}).remote()  # keeps it draining
+    assert ray.get(busy.node.remote(), timeout=60) == node
+    preemption = emulated_cluster.preempt_host(node, notice_s=5)
+    try:
+        assert preemption.node_ids == [node]
+        # Ray's drain state: this host, with the notice's deadline (UNIX ms); no other host drains.
+        draining = draining_nodes()
+        assert draining[node] == int(preemption.deadline * 1000) and bystander not in draining
+        assert ray.get(busy.node.remote(), timeout=10) == node  # still running during the notice
+        assert preemption.wait_killed(timeout_s=60)
+        assert time.time() >= preemption.deadline  # killed at the deadline, not before
+        # Ray's record of the death: the drain's reason (PREEMPTION) and message; the bystander lives.
+        assert _death(node) == (PREEMPTED_DEATH, "emulated spot preemption (5s notice)")
+        assert dead_nodes([node, bystander]) == {node: True}
+        assert node not in draining_nodes()
+        with pytest.raises(ray.exceptions.RayActorError) as died:
+            ray.get(busy.node.remote(), timeout=60)
+        assert died.value.preempted
+    finally:
+        (new,) = preemption.restore()  # the node pool's replacement
+    assert sl.node_ids == [new] and new != node and other.node_ids == [bystander]
+    assert preemption.restore() == [new]  # restoring twice brings nothing more back
 
 
 def test_preempt_refuses_bad_targets(emulated_cluster: EmulatedCluster) -> None:

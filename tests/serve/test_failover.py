@@ -1,9 +1,11 @@
 """Serving through a spot preemption: a replica on a preempted emulated slice moves its engine to the
-spare slice while 16 clients keep sending requests, and none of them fails."""
+spare slice while 16 clients keep sending requests (half of them streamed), and none of them fails: every
+response is a 200, every stream ends with [DONE] and carries no error event."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -45,19 +47,31 @@ def test_preempted_replica_fails_over_with_no_failed_request(
         serve.run(app, name="spot", route_prefix="/")
         handle = serve.get_deployment_handle("LLMServer:tiny", app_name="spot")
         first_slice = _busy_slice()
-        outcomes: list[tuple[float, int]] = []  # (seconds, HTTP status) per request
+        outcomes: list[tuple[bool, int, bool]] = []  # (streamed, HTTP status, complete) per request
+        url = f"http://127.0.0.1:{port}/v1/completions"
 
         async def load() -> None:
             nonlocal preemption
             stop = asyncio.Event()
 
+            async def streamed(http: httpx.AsyncClient, body: dict) -> tuple[bool, int, bool]:
+                async with http.stream("POST", url, json={**body, "stream": True}) as r:
+                    events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+                ok = bool(events) and events[-1] == "[DONE]"
+                ok = ok and not any("error" in json.loads(e) for e in events[:-1])
+                return True, r.status_code, ok
+
             async def client(i: int, http: httpx.AsyncClient) -> None:
                 n = 0
                 while not stop.is_set():
-                    t0 = time.perf_counter()
                     body = {"model": "tiny", "prompt": f"client {i} req {n}", "max_tokens": 4, "seed": n}
-                    r = await http.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
-                    outcomes.append((time.perf_counter() - t0, r.status_code))
+                    if i % 2:  # half the clients stream
+                        outcomes.append(await streamed(http, body))
+                    else:
+                        r = await http.post(url, json=body)
+                        outcomes.append(
+                            (False, r.status_code, r.status_code == 200 and "choices" in r.json())
+                        )
                     n += 1
 
             async with httpx.AsyncClient(timeout=300) as http:
@@ -76,8 +90,9 @@ def test_preempted_replica_fails_over_with_no_failed_request(
                 await asyncio.gather(*clients)
 
         asyncio.run(load())
-        failed = [status for _, status in outcomes if status != 200]
+        failed = [(streamed, status) for streamed, status, ok in outcomes if status != 200 or not ok]
         assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {sorted(set(failed))}"
+        assert sum(streamed for streamed, _, _ in outcomes) >= 16  # streams ran through the failover
         assert _busy_slice() != first_slice  # the engine runs on the spare slice now
         assert handle.describe.remote().result()["failovers"] == 1
     finally:

@@ -137,10 +137,32 @@ def crashing_loop(config: dict) -> None:
             train.report({"epoch": epoch + 1, "attempt": ctx.get_attempt()}, checkpoint=ckpt)
 
 
+MEGASCALE_KEYS = (
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_PORT",
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
+)
+
+
+def _dump_attempt_env(out_dir: str, ctx) -> None:
+    ray = __import__("ray")
+    doc = {k: os.environ.get(k) for k in (*MEGASCALE_KEYS, "TPU_NAME")}
+    doc.update(
+        rank=ctx.get_world_rank(),
+        attempt=ctx.get_attempt(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
+    )
+    with open(os.path.join(out_dir, f"attempt{ctx.get_attempt()}-rank{ctx.get_world_rank()}.json"), "w") as f:
+        json.dump(doc, f)
+
+
 def preemptible_loop(config: dict) -> None:
     """One all_reduce'd step every `step_s`, reported each step; a checkpoint every `ckpt_every` steps and
-    from rank 0 when the driver asks for one (`should_checkpoint()`, after a preemption notice). Rank 0 writes
-    its node id to `marker` once it reaches `signal_at` steps on the first attempt."""
+        from rank 0 when the driver asks for one (`should_checkpoint()`, after a preemption notice). Rank 0 writes
+        its node id to `marker` once it reaches `signal_at` steps on the first attempt. With `env_dir`, every rank
+    dumps its MEGASCALE_* env there at the first step of each attempt."""
     import torch.distributed as dist
 
     start = _resumed("step")
@@ -162,6 +184,8 @@ def preemptible_loop(config: dict) -> None:
             "notice_deadline_ms": notice.deadline_ms if notice else None,
             "notice_ranks": notice.preempted_ranks if notice else None,
         }
+        if step == start and config.get("env_dir"):  # each rank's multi-slice env, once per attempt
+            _dump_attempt_env(config["env_dir"], ctx)
         asked = ctx.should_checkpoint() and ctx.get_world_rank() == 0  # DDP: rank 0 saves the state
         if asked or (step + 1) % config.get("ckpt_every", 10**9) == 0:
             with tempfile.TemporaryDirectory() as d:

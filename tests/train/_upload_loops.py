@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 
 from tpuray import train
 from tpuray.train import Checkpoint
@@ -46,3 +47,35 @@ def checkpoint_loop(config: dict) -> None:
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
             if dying:
                 os._exit(1)
+
+
+def register_stuck_storage(flag: str | None = None) -> None:
+    """fsspec protocol "tpuray-stuck": local files behind a `put` that hangs once (an object store that
+    stops answering): the first put after `flag` (a file) exists consumes the flag and never returns.
+    (The class is made here, in the calling process: fsspec's classes do not pickle.)"""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class StuckStorage(LocalFileSystem):
+        protocol = ("tpuray-stuck",)
+
+        def put(self, lpath, rpath, recursive=False, **kwargs):
+            if flag and os.path.exists(flag):
+                os.unlink(flag)
+                while True:  # until the worker is killed
+                    time.sleep(1)
+            return super().put(lpath, rpath, recursive=recursive, **kwargs)
+
+    fsspec.register_implementation("tpuray-stuck", StuckStorage, clobber=True)
+
+
+def stuck_storage_loop(config: dict) -> None:
+    """Two epochs, a checkpoint each; the storage hangs on the first upload of the run (config["flag"])."""
+    register_stuck_storage(config["flag"])
+    start = _restored_epoch()
+    for epoch in range(start, 2):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "state.json"), "w") as f:
+                json.dump({"epoch": epoch + 1}, f)
+            ctx = train.get_context()
+            train.report({"epoch": epoch + 1, "attempt": ctx.get_attempt()}, Checkpoint.from_directory(d))

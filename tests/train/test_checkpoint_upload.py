@@ -80,3 +80,32 @@ def test_worker_killed_mid_upload_resumes_from_the_previous_checkpoint(emulated_
     final = tmp_path / "killed" / "checkpoint_000003"
     assert sorted(os.listdir(final)) == ["rank0.bin", "rank1.bin", "state.json", "z.bin"]
     assert not (tmp_path / "killed" / "checkpoint_000002" / "big.bin").exists()  # attempt 0's was dropped
+
+
+def test_upload_stuck_past_the_timeout_is_a_worker_failure_and_retried(
+    emulated_cluster, tmp_path, monkeypatch
+) -> None:
+    """The storage stops answering mid-upload: past $TPURAY_TRAIN_UPLOAD_TIMEOUT_S the worker's report()
+    raises CheckpointUploadTimeout, and the trainer restarts (a worker failure) instead of hanging."""
+    from tpuray.constants import UPLOAD_TIMEOUT_ENV
+
+    monkeypatch.setenv(UPLOAD_TIMEOUT_ENV, "2")  # read by the driver, handed to the workers
+    _upload_loops.register_stuck_storage()  # the driver reads and writes the run's files there too
+    flag = tmp_path / "hang-once"
+    flag.write_text("")
+    trainer = TorchTrainer(
+        _upload_loops.stuck_storage_loop,
+        train_loop_config={"flag": str(flag)},
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(
+            storage_path=f"tpuray-stuck://{tmp_path}/runs",
+            name="stuck",
+            failure_config=FailureConfig(max_failures=1),
+            verbose=0,
+        ),
+    )
+    result = trainer.fit()
+    assert not flag.exists()  # the storage did hang once
+    assert result.error is None and result.num_failures == 1
+    assert [(m["epoch"], m["attempt"]) for m in result.metrics_history] == [(1, 1), (2, 1)]
+    assert result.checkpoint.path.endswith("checkpoint_000001")

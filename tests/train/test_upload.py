@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tpuray.train import CheckpointConfig, CheckpointUploadError, CheckpointUploadMode
 from tpuray.train.checkpoint import PARTIAL_SUFFIX
 from tpuray.train.session import ReportRecord
-from tpuray.train.upload import SNAPSHOT_PREFIX, UploadQueue, parse_upload_mode
+from tpuray.train.upload import SNAPSHOT_PREFIX, CheckpointUploadTimeout, UploadQueue, parse_upload_mode
 from tpuray.validation import ConfigError
 
 ASYNC, SYNC = CheckpointUploadMode.ASYNC, CheckpointUploadMode.SYNC
@@ -169,6 +169,48 @@ def test_replacing_files_after_report_is_fine(tmp_path) -> None:
     queue.finish()
     assert _indices(queue) == [0, 1, 2]
     assert (tmp_path / "run" / "checkpoint_000002" / "model.bin").read_bytes() == b"epoch 3"
+
+
+def test_an_upload_that_never_ends_times_out_and_is_never_committed(tmp_path, gate) -> None:
+    """ASYNC: the next wait gives up after the queue's timeout (the storage hangs), the error sticks, and
+    the upload, should it end later, commits nothing; close() does not wait for the stuck thread."""
+    queue = UploadQueue(timeout_s=0.5)
+    src = _ckpt(tmp_path / "c0", **{"model.bin": b"w"})
+    queue.add(_rec(0), src, f"tpuray-gated://{tmp_path}/run/checkpoint_000000", ASYNC)
+    assert GatedFileSystem.entered.wait(60)
+    inflight = queue._inflight[0]
+    with pytest.raises(
+        CheckpointUploadTimeout, match=r"checkpoint_000000 .*did not finish within 0.5s .*UPLOAD_TIMEOUT_S"
+    ):
+        queue.wait()
+    with pytest.raises(CheckpointUploadTimeout):  # sticky: every later report says so
+        queue.add(_rec(1, ckpt=False), None, "", ASYNC)
+    queue.close()  # returns with the upload still stuck (the gate is closed)
+    gate.set()
+    inflight.result(timeout=60)  # the upload ends after all...
+    assert _indices(queue) == []  # ...but its checkpoint stays uncommitted, as the error said
+
+
+def test_a_sync_upload_that_never_ends_times_out(tmp_path, gate) -> None:
+    queue = UploadQueue(timeout_s=0.5)
+    src = _ckpt(tmp_path / "c0", **{"a.bin": b"a"})
+    with pytest.raises(CheckpointUploadTimeout, match="checkpoint_000000"):
+        queue.add(_rec(0), src, f"tpuray-gated://{tmp_path}/run/checkpoint_000000", SYNC)
+    assert _indices(queue) == []
+    queue.close()
+
+
+def test_upload_timeout_env(monkeypatch) -> None:
+    from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S, UPLOAD_TIMEOUT_ENV
+    from tpuray.train.worker import upload_timeout_s
+
+    monkeypatch.delenv(UPLOAD_TIMEOUT_ENV, raising=False)
+    assert upload_timeout_s() == DEFAULT_UPLOAD_TIMEOUT_S
+    monkeypatch.setenv(UPLOAD_TIMEOUT_ENV, "42")
+    assert upload_timeout_s() == 42.0
+    monkeypatch.setenv(UPLOAD_TIMEOUT_ENV, "never")
+    with pytest.raises(ConfigError, match=f"{UPLOAD_TIMEOUT_ENV}='never' is invalid"):
+        upload_timeout_s()
 
 
 def test_special_files_and_missing_directories_are_refused_at_report(tmp_path) -> None:

@@ -59,6 +59,7 @@ class Preemption:
         self.error: BaseException | None = None
         self._killed = threading.Event()
         self._restored = threading.Event()
+        self._restore_lock = threading.Lock()  # restore() and restore_after_s never both bring hosts back
         self._tokens: list[tuple[str, int]] = []
         deadline_ms = int(self.deadline * 1000)
         why = message or f"emulated spot preemption ({self.notice_s:g}s notice)"
@@ -106,17 +107,19 @@ class Preemption:
         return done
 
     def restore(self) -> list[str]:
-        """Bring replacements back now (after the kill), when no restore_after_s was set."""
+        """Bring replacements back now (after the kill); a no-op once they are back (restore_after_s)."""
         self.wait_killed()
-        if not self.restored_node_ids:
-            self._restore_now()
+        self._restore_now()
         return self.restored_node_ids
 
     def _restore_now(self) -> None:
-        tokens = list(self._tokens)
-        self.restored_node_ids = _NODE_STARTER.submit(
-            lambda: [self.cluster.restore_host(t) for t in tokens]
-        ).result()
+        with self._restore_lock:
+            if self.restored_node_ids:
+                return
+            tokens = list(self._tokens)
+            self.restored_node_ids = _NODE_STARTER.submit(
+                lambda: [self.cluster.restore_host(t) for t in tokens]
+            ).result()
 
     @property
     def killed(self) -> bool:

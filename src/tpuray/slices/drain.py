@@ -7,6 +7,8 @@ slice is lost as a whole, so a drain of any host of a slice takes every rank on 
 
 - `request_drain()`: issue a drain (the emulator's `preempt_*` uses it, as GKE's node pool would).
 - `draining_nodes()`: Ray's draining nodes and their deadlines.
+- `slice_node_ids()`, `dead_nodes()`: the live hosts of some slices; which of some nodes are gone, and
+  whether each went after a drain for preemption (Ray's node death reason).
 - `PreemptionInfo`: Ray Train V2's shape (deadline, preempted node -> affected ranks).
 - `DrainWatch`: polls the drains that touch a given set of nodes and their failure domains.
 """
@@ -17,7 +19,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from tpuray.constants import DRAIN_REQUEST_TIMEOUT_S, SLICE_NAME_LABEL
+
 PREEMPTION_REASON = "DRAIN_NODE_REASON_PREEMPTION"  # Ray's autoscaler_pb2.DrainNodeReason
+PREEMPTED_DEATH = "AUTOSCALER_DRAIN_PREEMPTED"  # Ray's NodeDeathInfo.Reason of a node gone after that drain
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,51 @@ def request_drain(
     """Ask the GCS at `address` to drain `node_id` by `deadline_ms` (UNIX ms; 0 = no deadline).
 
     The same call `ray drain-node` makes. Ray only marks the node: it stops scheduling there and tells
-    whoever watches; it does not stop the node at the deadline (the caller does).
+    whoever watches; it does not stop the node at the deadline (the caller does). An unreachable GCS
+    fails it after DRAIN_REQUEST_TIMEOUT_S (Ray's own default waits forever).
     """
     import ray
     from ray.core.generated import autoscaler_pb2
 
     gcs = ray._raylet.GcsClient(address=address)
     accepted, why = gcs.drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value(reason), message, deadline_ms
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value(reason),
+        message,
+        deadline_ms,
+        timeout=DRAIN_REQUEST_TIMEOUT_S,
     )
     if not accepted:
         raise RuntimeError(f"Ray refused to drain node {node_id}: {why}")
+
+
+def slice_node_ids(slice_names: Iterable[str]) -> list[str]:
+    """The live Ray nodes of the named slices (by the slice-name node label), sorted. Needs ray.init()."""
+    import ray
+
+    names = set(slice_names)
+    if not names:
+        return []
+    return sorted(
+        n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"] and (n.get("Labels") or {}).get(SLICE_NAME_LABEL) in names
+    )
+
+
+def dead_nodes(node_ids: Iterable[str]) -> dict[str, bool]:
+    """Of `node_ids`, those Ray reports dead: {node_id: preempted}, preempted when the node went after a drain
+    for preemption (Ray's death reason AUTOSCALER_DRAIN_PREEMPTED, as `ray.nodes()` shows it)."""
+    import ray
+    from ray.core.generated.common_pb2 import NodeDeathInfo
+
+    preempted = NodeDeathInfo.Reason.Value(PREEMPTED_DEATH)
+    wanted = set(node_ids)
+    return {
+        n["NodeID"]: n.get("DeathReason") == preempted
+        for n in ray.nodes()
+        if n["NodeID"] in wanted and not n["Alive"]
+    }
 
 
 def failure_domains(members: Iterable[tuple[str, str | None, int]]) -> dict[str, list[int]]:

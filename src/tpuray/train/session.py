@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S
 from tpuray.slices.drain import PreemptionInfo
 from tpuray.train.checkpoint import Checkpoint, checkpoint_dir
 from tpuray.train.upload import CheckpointUploadMode, UploadQueue, parse_upload_mode
@@ -96,12 +97,13 @@ class _Session:
         checkpoint: Checkpoint | None,
         first_index: int,
         upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
+        upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
     ) -> None:
         self.context = context
         self.checkpoint = checkpoint
         self.next_index = first_index
         self.upload_mode = upload_mode
-        self.uploads = UploadQueue()
+        self.uploads = UploadQueue(upload_timeout_s)
         self.preemption: PreemptionInfo | None = None  # set by the driver on a preemption notice
         self.checkpoint_requested = False
 
@@ -148,9 +150,10 @@ def _start(
     checkpoint: Checkpoint | None,
     first_index: int,
     upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
+    upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
 ) -> _Session:
     global _SESSION
-    _SESSION = _Session(context, checkpoint, first_index, upload_mode)
+    _SESSION = _Session(context, checkpoint, first_index, upload_mode, upload_timeout_s)
     return _SESSION
 
 

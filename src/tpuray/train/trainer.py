@@ -1,6 +1,14 @@
 """The driver loop behind TorchTrainer.fit(): reserve -> start workers -> set up torch.distributed -> run
 -> collect reports -> tear down, restarting from the latest committed checkpoint after worker/host
 failures (report and checkpoint bookkeeping: `tpuray.train.run_state`).
+
+Every wait is bounded, so a slice lost at any point (reservation, worker start, process-group set-up,
+training) ends the attempt instead of hanging it: reservation and worker start within
+$TPURAY_TRAIN_RESERVE_TIMEOUT_S (SliceReservationTimeout when no slice frees up: fit() fails with it),
+process-group set-up within TorchConfig.timeout_s (+ WORKER_CALL_TIMEOUT_S), the calls a live worker
+answers at once within WORKER_CALL_TIMEOUT_S, a checkpoint upload within $TPURAY_TRAIN_UPLOAD_TIMEOUT_S.
+A timed-out wait is a worker failure (retried per FailureConfig(max_failures)); a worker lost with a
+host Ray drained for preemption is a preemption (FailureConfig(max_preemption_failures)).
 """
 
 from __future__ import annotations
@@ -12,34 +20,40 @@ from typing import Any
 
 import ray
 
+from tpuray.constants import PREEMPTION_NOTIFY_TIMEOUT_S, RESERVE_TIMEOUT_ENV, WORKER_CALL_TIMEOUT_S
 from tpuray.slices.distributed import RankInfo, device_type_for
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_domains
+from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.slices.worker_group import SliceWorkerGroup
 from tpuray.train import checkpoint as ckpt
 from tpuray.train.callbacks import RunHooks, RunInfo
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
 from tpuray.train.data import AttemptShards, DataConfig, TrainDatasets
+from tpuray.train.group_start import start_group
 from tpuray.train.progress import Progress
 from tpuray.train.result import Result, WorkerGroupError
 from tpuray.train.run_state import RunState
 from tpuray.train.session import TrainContext
-from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
+from tpuray.train.upload import CheckpointUploadTimeout
+from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec, upload_timeout_s
 
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
-PEER_CHECK_S = 60.0
-NOTIFY_TIMEOUT_S = 10.0  # workers answer a preemption notice at once (a concurrent actor call)
 DEADLINE_MARGIN_S = 1.0  # a preempted attempt stops this long before the deadline at the latest
 
 
 class _Preempted(Exception):
-    """The run's slice is being preempted: the attempt ends (after a checkpoint, or at the deadline)."""
+    """The run's slice is being preempted: the attempt ends (after a checkpoint, or at the deadline).
+    info is None when the hosts were gone (Ray: drained for preemption) before the notice was seen."""
 
-    def __init__(self, info: PreemptionInfo, checkpointed: bool) -> None:
-        how = (
-            "after a checkpoint it asked for" if checkpointed else "at the deadline, without a new checkpoint"
-        )
-        super().__init__(f"slice preempted: {describe(info)}; attempt ended {how}")
+    def __init__(self, info: PreemptionInfo | None, checkpointed: bool, how: str = "") -> None:
+        if info is None:
+            what = "its host(s) went (Ray had drained them for preemption) before the trainer saw a notice"
+        else:
+            what = describe(info)
+        if not how:
+            how = "after a checkpoint it asked for" if checkpointed else "without a new checkpoint"
+        super().__init__(f"slice preempted: {what}; attempt ended {how}")
         self.info = info
 
 
@@ -48,6 +62,20 @@ class _WorkerDied(Exception):
         super().__init__(f"worker rank {rank} died: {cause}")
         self.rank = rank
         self.cause = cause
+
+    @property
+    def preempted(self) -> bool:
+        """The worker went with a host Ray had drained for preemption (its node died as
+        AUTOSCALER_DRAIN_PREEMPTED), whether or not the driver saw the notice."""
+        cause = self.cause
+        return isinstance(cause, ray.exceptions.RayActorError) and bool(getattr(cause, "preempted", False))
+
+
+class NoSliceError(SliceReservationTimeout):
+    """fit() found no free slice for an attempt within $TPURAY_TRAIN_RESERVE_TIMEOUT_S (e.g. after a
+    preemption, no spare slice and no replacement). `result` holds what the run reached (its checkpoint)."""
+
+    result: Result | None = None
 
 
 class DataParallelTrainer:
@@ -124,6 +152,7 @@ class DataParallelTrainer:
             )
         self._hooks.attach(state)
         self._failures = self._preemptions = 0
+        self._upload_timeout_s = upload_timeout_s()  # read here, handed to every worker
         progress = Progress(self._title(), rc.quiet)
         try:
             while True:
@@ -190,10 +219,16 @@ class DataParallelTrainer:
         finished = False
         shards: AttemptShards | None = None
         try:
-            try:
-                group.start()
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            try:  # reservation and worker start: bounded by the spec's reserve_timeout_s
+                lost = start_group(group, POLL_S)  # aborted when a reserved host drains or dies
+            except SliceReservationTimeout as exc:
+                raise self._no_slice(state, group, attempt, exc) from exc
+            except (ray.exceptions.RayActorError, TimeoutError) as exc:  # a host lost while workers start
                 raise _WorkerDied(None, exc) from exc
+            if lost is not None and lost.preempted:
+                raise _Preempted(lost.info, checkpointed=False, how="while its workers started")
+            if lost is not None:
+                raise _WorkerDied(None, RuntimeError(str(lost)))
             self._watch = DrainWatch(
                 failure_domains(
                     (m.placement.node_id, m.placement.slice_name, m.rank.world_rank) for m in group.members
@@ -227,11 +262,20 @@ class DataParallelTrainer:
             setup_refs += group.call_each(
                 "start_session",
                 [
-                    (context(m.rank), restored, state.base, upload_mode, shards and shards.for_rank(i))
+                    (
+                        context(m.rank),
+                        restored,
+                        state.base,
+                        upload_mode,
+                        shards and shards.for_rank(i),
+                        self._upload_timeout_s,
+                    )
                     for i, m in enumerate(group.members)
                 ],
             )
-            self._wait_all(group, setup_refs, state, progress)
+            # A rank stuck in set-up past the process group's own timeout is lost (its host unreachable).
+            setup_s = self.torch_config.timeout_s + WORKER_CALL_TIMEOUT_S
+            self._wait_all(group, setup_refs, state, progress, within_s=setup_s, what="process-group set-up")
             t2 = time.perf_counter()
             logger.info("tpuray.train: workers started in %.2fs, process group up in %.2fs", t1 - t0, t2 - t1)
             run_refs = group.call("run", self._fn_ref(), self.train_loop_config)
@@ -241,7 +285,11 @@ class DataParallelTrainer:
             return outcomes[0].value if outcomes else None
         except _WorkerDied as died:
             if self._notice is not None:  # the preempted host went before the attempt stopped
-                raise _Preempted(self._notice[0], checkpointed=False) from died
+                raise _Preempted(
+                    self._notice[0], False, how="when the host went, before a new checkpoint"
+                ) from died
+            if died.preempted:  # drained and gone before a notice was seen (e.g. while workers started)
+                raise _Preempted(None, checkpointed=False) from died
             raise
         finally:
             group.shutdown(graceful=finished)
@@ -253,13 +301,52 @@ class DataParallelTrainer:
             self._fn_obj_ref = ray.put(self.train_loop_per_worker)
         return self._fn_obj_ref
 
-    def _wait_all(self, group: SliceWorkerGroup, refs: list, state: RunState, progress: Progress) -> list:
+    def _no_slice(
+        self, state: RunState, group: SliceWorkerGroup, attempt: int, exc: SliceReservationTimeout
+    ) -> NoSliceError:
+        """The reservation timed out: say what the run had reached and where it can resume from."""
+        after = (
+            f" after {self._preemptions} preemption(s) and {self._failures} failure(s) (a preempted slice "
+            "comes back only when its node pool replaces it)"
+            if attempt
+            else ""
+        )
+        where = (
+            f"; its latest checkpoint (checkpoint_{state.latest_ckpt:06d}, Result.checkpoint) is kept: fit() "
+            "with the same RunConfig(name=...) resumes from it"
+            if state.latest_ckpt is not None
+            else ""
+        )
+        err = NoSliceError(
+            f"Training failed: attempt {attempt}{after} found no free slice within "
+            f"{group.spec.reserve_timeout_s}s (${RESERVE_TIMEOUT_ENV}){where}. {exc}"
+        )
+        err.result = self._result(state, err, None)
+        return err
+
+    def _wait_all(
+        self,
+        group: SliceWorkerGroup,
+        refs: list,
+        state: RunState,
+        progress: Progress,
+        within_s: float | None = None,
+        what: str = "",
+    ) -> list:
         """Wait for calls on the workers (refs in rank order, possibly several rounds) while draining
-        reports; raise on the first failure."""
+        reports; raise on the first failure. With `within_s`, ranks still busy after it are lost
+        (_WorkerDied: a worker failure)."""
         index_of = {ref: i for i, ref in enumerate(refs)}
         outcomes: list[Any] = [None] * len(refs)
         pending = list(refs)
+        deadline = None if within_s is None else time.monotonic() + within_s
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                ranks = sorted({index_of[ref] % group.world_size for ref in pending})
+                raise _WorkerDied(
+                    ranks[0],
+                    TimeoutError(f"{what} on rank(s) {ranks} did not finish within {within_s:g}s"),
+                )
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             for ref in ready:
                 index = index_of[ref]
@@ -274,6 +361,8 @@ class DataParallelTrainer:
                     self._raise_user_error(state, {rank: exc.as_instanceof_cause()}, {rank: str(exc)})
                 if isinstance(out, WorkerOutcome) and not out.ok:
                     self._collect_quietly(group, state, progress)
+                    if isinstance(out.error, CheckpointUploadTimeout):  # storage gone: retried, not fatal
+                        raise _WorkerDied(rank, out.error)
                     self._check_peers_alive(group, rank, out.error)
                     self._raise_user_error(state, {rank: out.error}, {rank: out.traceback})
                 outcomes[index] = out
@@ -294,7 +383,7 @@ class DataParallelTrainer:
             # The loop reads the notice between steps; each worker answers with the reports it has made
             # (the driver sees a report only once its checkpoint is uploaded).
             try:
-                made = ray.get(group.call("notify_preemption", info), timeout=NOTIFY_TIMEOUT_S)
+                made = ray.get(group.call("notify_preemption", info), timeout=PREEMPTION_NOTIFY_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 raise _Preempted(info, checkpointed=False) from exc
             last = max([*made, *state.counts]) - 1 if first else self._notice[1]  # type: ignore[index]
@@ -308,13 +397,22 @@ class DataParallelTrainer:
             raise _Preempted(info, checkpointed=last >= state.base)
         left = info.seconds_left()
         if left is not None and left <= DEADLINE_MARGIN_S:
-            raise _Preempted(info, checkpointed=False)
+            raise _Preempted(info, checkpointed=False, how="at the deadline, without a new checkpoint")
 
     def _collect(self, group: SliceWorkerGroup, state: RunState, progress: Progress) -> None:
+        refs = group.call("drain")
         try:
-            per_rank = ray.get(group.call("drain"))
+            per_rank = ray.get(refs, timeout=WORKER_CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError as exc:
             raise _WorkerDied(None, exc) from exc
+        except ray.exceptions.GetTimeoutError as exc:  # a worker that cannot answer at once is lost
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            silent = [rank for rank, ref in enumerate(refs) if ref not in ready]
+            cause = TimeoutError(
+                f"worker rank(s) {silent} did not hand over their reports within {WORKER_CALL_TIMEOUT_S:g}s "
+                "(host lost or unresponsive)"
+            )
+            raise _WorkerDied(silent[0] if silent else None, cause) from exc
         for m, records in zip(group.members, per_rank, strict=True):
             state.add(m.rank.world_rank, records, progress.update)
         committed = state.commit()
@@ -334,7 +432,7 @@ class DataParallelTrainer:
         ping every worker; if one is dead or unresponsive, it is a worker failure (retried), not a user
         error. Ray may need a while to declare a killed host dead, hence the generous timeout."""
         try:
-            ray.get([m.actor.ping.remote() for m in group.members], timeout=PEER_CHECK_S)
+            ray.get([m.actor.ping.remote() for m in group.members], timeout=WORKER_CALL_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             raise _WorkerDied(None, exc) from error
 

@@ -28,6 +28,12 @@ ASYNC. `report()` takes a *snapshot* of the directory and returns; the upload ru
   checkpoint: the run fails with it like any error in the training function.
 
 SYNC uploads inside `report()` (Ray Train's default): when it returns the files are in storage.
+
+Bound. No wait on an upload is unbounded: one that does not end within `$TPURAY_TRAIN_UPLOAD_TIMEOUT_S`
+(default 1800 s; the driver reads it and hands it to its workers) raises `CheckpointUploadTimeout` from
+`report()` (or when the training function returns); that checkpoint is never committed, and the trainer
+treats the error as a worker failure (a restart from the last committed checkpoint, counted against
+`FailureConfig(max_failures)`), as it would a host lost mid-upload.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ import stat
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S, UPLOAD_TIMEOUT_ENV
 from tpuray.train.checkpoint import same_dir, upload
 from tpuray.validation import ConfigError
 
@@ -77,6 +85,11 @@ def parse_upload_mode(value: Any, what: str) -> CheckpointUploadMode:
 
 class CheckpointUploadError(RuntimeError):
     """A checkpoint could not be uploaded completely; it is not committed."""
+
+
+class CheckpointUploadTimeout(CheckpointUploadError):
+    """An upload did not end within $TPURAY_TRAIN_UPLOAD_TIMEOUT_S (storage unreachable or too slow); the
+    trainer counts it as a worker failure and restarts from the last committed checkpoint."""
 
 
 # ---- snapshots ------------------------------------------------------------------------------------------
@@ -175,13 +188,15 @@ class UploadQueue:
     """One per worker session: uploads report()'s checkpoints and hands report records to `drain()` in
     report order, each only once its checkpoint's files are all uploaded."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s  # the longest wait for one upload
         self._lock = threading.Lock()
         self._ready: list[Any] = []  # records the driver may drain
         self._held: list[Any] = []  # records waiting behind the upload in flight
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight: Future | None = None
+        self._inflight: tuple[Future, int, str] | None = None  # (future, checkpoint index, destination)
         self._error: CheckpointUploadError | None = None
+        self._stuck = False  # an upload outlived timeout_s: its thread is abandoned
         self._last: Snapshot | None = None
 
     def add(self, record: Any, source: str | None, dest: str, mode: CheckpointUploadMode) -> None:
@@ -199,9 +214,11 @@ class UploadQueue:
             with self._lock:
                 self._ready.append(record)
             return
-        if mode is CheckpointUploadMode.SYNC:
+        if mode is CheckpointUploadMode.SYNC:  # on the upload thread too, so that the wait is bounded
             try:
-                upload(source, dest)
+                self._await(self._executor().submit(upload, source, dest), record.index, dest)
+            except CheckpointUploadTimeout:
+                raise
             except Exception as exc:
                 raise CheckpointUploadError(_failed(record.index, source, dest, exc)) from exc
             with self._lock:
@@ -211,9 +228,31 @@ class UploadQueue:
         self._last = snap
         with self._lock:
             self._held.append(record)
+        self._inflight = (self._executor().submit(self._upload, snap, dest), record.index, dest)
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpuray-ckpt-upload")
-        self._inflight = self._pool.submit(self._upload, snap, dest)
+        return self._pool
+
+    def _await(self, future: Future, index: int, dest: str) -> None:
+        """future.result() within timeout_s; past it, CheckpointUploadTimeout (sticky, never committed)."""
+        try:
+            future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            if future.done():  # the upload itself raised a TimeoutError (3.11+: the same class)
+                raise
+            error = CheckpointUploadTimeout(
+                f"uploading checkpoint_{index:06d} to {dest!r} did not finish within {self.timeout_s:g}s "
+                f"(${UPLOAD_TIMEOUT_ENV}): the storage is unreachable or too slow. It is not committed; the "
+                "trainer restarts the workers from the last committed checkpoint (a worker failure, "
+                "FailureConfig(max_failures))"
+            )
+            with self._lock:
+                self._stuck = True
+                self._error = error
+            logger.error("tpuray.train: %s", error)
+            raise error from None
 
     def _upload(self, snap: Snapshot, dest: str) -> None:
         try:
@@ -227,13 +266,17 @@ class UploadQueue:
                 )
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next report() / finish()
             if isinstance(exc, CheckpointUploadError):
-                self._error = exc
+                error = exc
             else:
-                self._error = CheckpointUploadError(_failed(snap.index, snap.source, dest, exc))
-                self._error.__cause__ = exc
-            logger.error("tpuray.train: %s", self._error)
+                error = CheckpointUploadError(_failed(snap.index, snap.source, dest, exc))
+                error.__cause__ = exc
+            with self._lock:
+                self._error = self._error or error
+            logger.error("tpuray.train: %s", error)
             return  # the held records stay held: this checkpoint is never committed
         with self._lock:
+            if self._stuck:  # it ended after its wait gave up: it stays uncommitted, as the error said
+                return
             self._ready.extend(self._held)
             self._held.clear()
 
@@ -263,10 +306,11 @@ class UploadQueue:
             raise self._error
 
     def wait(self) -> None:
-        """Wait for the upload in flight; raise the first upload error (it stays raised: sticky)."""
+        """Wait for the upload in flight (at most timeout_s); raise the first upload error (it stays
+        raised: sticky)."""
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.result()  # _upload never raises
+        if inflight is not None and not self._stuck:
+            self._await(*inflight)  # _upload itself never raises
         self.raise_if_failed()
 
     def finish(self) -> None:
@@ -277,16 +321,20 @@ class UploadQueue:
             self.close()
 
     def close(self) -> None:
-        """Wait for an upload in flight without raising, remove the snapshot, stop the thread."""
+        """Wait for an upload in flight (at most timeout_s) without raising, remove the snapshot, stop the
+        thread (an upload thread that outlived its wait is abandoned, not joined)."""
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.result()
+        if inflight is not None and not self._stuck:
+            try:
+                self._await(*inflight)
+            except CheckpointUploadTimeout:
+                pass  # logged; the caller is already failing or finishing
         last, self._last = self._last, None
         if last is not None:
             last.remove()
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=not self._stuck, cancel_futures=True)
 
 
 _ADVICE = (

@@ -12,19 +12,41 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from tpuray.constants import RESERVE_TIMEOUT_ENV
+from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S, RESERVE_TIMEOUT_ENV, UPLOAD_TIMEOUT_ENV
 from tpuray.slices.worker import SliceWorker
 from tpuray.slices.worker_group import WorkerGroupSpec
 from tpuray.train.checkpoint import Checkpoint
 from tpuray.train.config import ScalingConfig
 from tpuray.train.session import TrainContext
+from tpuray.validation import ConfigError
 
 DEFAULT_RESERVE_TIMEOUT_S = 300.0
 
 
+def _seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):  # also refuses nan: every wait has a bound
+        raise ConfigError(
+            f"${name}={raw!r} is invalid: use a finite number of seconds > 0 (unset: {default:g})"
+        )
+    return value
+
+
 def reserve_timeout_s() -> float:
-    """How long a training attempt waits for its slice(s) and workers ($TPURAY_TRAIN_RESERVE_TIMEOUT_S)."""
-    return float(os.environ.get(RESERVE_TIMEOUT_ENV, DEFAULT_RESERVE_TIMEOUT_S))
+    """How long a training attempt waits for its slice(s) and workers ($TPURAY_TRAIN_RESERVE_TIMEOUT_S):
+    after a preemption, how long fit() waits for a spare slice or the preempted one's replacement."""
+    return _seconds_env(RESERVE_TIMEOUT_ENV, DEFAULT_RESERVE_TIMEOUT_S)
+
+
+def upload_timeout_s() -> float:
+    """The longest wait for one checkpoint upload ($TPURAY_TRAIN_UPLOAD_TIMEOUT_S), read on the driver."""
+    return _seconds_env(UPLOAD_TIMEOUT_ENV, DEFAULT_UPLOAD_TIMEOUT_S)
 
 
 def group_spec(scaling: ScalingConfig) -> WorkerGroupSpec:
@@ -77,14 +99,18 @@ class TrainWorker(SliceWorker):
         first_index: int,
         upload_mode: Any = None,
         shards: Any = None,
+        upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
     ) -> None:
         """upload_mode: CheckpointConfig.checkpoint_upload_mode; shards: this rank's
-        tpuray.train.data.WorkerShards (TorchTrainer(datasets=...)) or None."""
+        tpuray.train.data.WorkerShards (TorchTrainer(datasets=...)) or None; upload_timeout_s: the
+        driver's $TPURAY_TRAIN_UPLOAD_TIMEOUT_S."""
         import tpuray.train.torch  # noqa: F401  (so `tpuray.train.torch.get_device()` resolves in user code)
         from tpuray.train import data, session
         from tpuray.train.upload import CheckpointUploadMode
 
-        session._start(context, checkpoint, first_index, upload_mode or CheckpointUploadMode.ASYNC)
+        session._start(
+            context, checkpoint, first_index, upload_mode or CheckpointUploadMode.ASYNC, upload_timeout_s
+        )
         data._install(shards)
 
     def run(self, fn, config) -> WorkerOutcome:
