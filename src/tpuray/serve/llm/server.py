@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+from tpuray.serve.llm.engine.prompts import TemplateError, template_messages
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.params import sampling_params
 from tpuray.serve.llm.protocol import (
@@ -108,8 +109,9 @@ class ModelServer(EngineBackend):
         """vLLM's /tokenize shape: {count, max_model_len, tokens, token_strs}."""
         self._check_model(req)
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = self.engine.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            ids = self._template(
+                template_messages(req.messages), add_generation_prompt=req.add_generation_prompt
+            )
         else:
             ids = self.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -138,7 +140,7 @@ class ModelServer(EngineBackend):
                 raise OpenAIError(
                     f"prompt token ids must be in [0, {len(self.engine.tokenizer)})", param="prompt"
                 )
-            ids = self.engine.encode_prompt(prompt)
+            ids = self.engine.encode_prompt(prompt, req.add_special_tokens)
             params = self._params(req, len(ids), "prompt", 16)
             echo = (
                 (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if req.echo else ""
@@ -147,13 +149,24 @@ class ModelServer(EngineBackend):
                 jobs.append(Job(p_idx * req.n + i, ids, params, i, echo))
         return jobs
 
+    def _template(self, messages: list[dict[str, str]], **options: Any) -> list[int]:
+        try:
+            return self.engine.apply_chat_template(messages, **options)
+        except TemplateError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+
     def _chat_jobs(self, req: ChatCompletionRequest) -> list[Job]:
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages
-        ]
-        ids = self.engine.apply_chat_template(messages)
+        ids = self._template(
+            template_messages(req.messages),
+            add_generation_prompt=req.generation_prompt,
+            continue_final_message=req.continue_final_message,
+            add_special_tokens=req.add_special_tokens,
+            template_kwargs=req.chat_template_kwargs,
+        )
         params = self._params(req, len(ids), "messages", None)
-        return [Job(i, ids, params, i) for i in range(req.n)]
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == req.reply_role() else ""  # vLLM's chat echo
+        return [Job(i, ids, params, i, echo) for i in range(req.n)]
 
     def _check_model(self, req) -> None:
         if req.model is not None and req.model != self.model_id:
@@ -194,7 +207,7 @@ class ModelServer(EngineBackend):
                 {"index": c.choice, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             )
         return {
-            "id": new_id("cmpl"),
+            "id": _response_id("cmpl", req),
             "object": "text_completion",
             "created": now(),
             "model": self.model_id,
@@ -208,14 +221,14 @@ class ModelServer(EngineBackend):
         choices = [
             {
                 "index": c.choice,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": req.reply_role(), "content": c.text},
                 "logprobs": self.formatter.chat(c.logprobs) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             for c in results
         ]
         return {
-            "id": new_id("chatcmpl"),
+            "id": _response_id("chatcmpl", req),
             "object": "chat.completion",
             "created": now(),
             "model": self.model_id,
@@ -263,7 +276,12 @@ class ModelServer(EngineBackend):
     async def completions_stream(self, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
         jobs = self._completion_jobs(req)  # raises before the first chunk
-        base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_id}
+        base = {
+            "id": _response_id("cmpl", req),
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_id,
+        }
         echoed: set[int] = set()
         offsets = {j.choice: 0 for j in jobs}
         sent: dict[int, int] = {}
@@ -285,14 +303,19 @@ class ModelServer(EngineBackend):
         self._check_model(req)
         jobs = self._chat_jobs(req)
         base = {
-            "id": new_id("chatcmpl"),
+            "id": _response_id("chatcmpl", req),
             "object": "chat.completion.chunk",
             "created": now(),
             "model": self.model_id,
         }
         for i in range(req.n):
-            delta = {"role": "assistant", "content": ""}
+            delta = {"role": req.reply_role(), "content": ""}
             yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        for job in jobs:  # echo: the last message's content first, as vLLM streams it
+            if job.echo:
+                delta = {"content": job.echo}
+                choice = {"index": job.choice, "delta": delta, "logprobs": None, "finish_reason": None}
+                yield {**base, "choices": [choice]}
         sent: dict[int, int] = {}
         async for index, out in self._stream_all(jobs):
             if index < 0:
@@ -310,3 +333,8 @@ class ModelServer(EngineBackend):
 def _prompt_tokens(jobs: list[Job]) -> int:
     """Prompt tokens of a request: each distinct prompt counted once, like OpenAI with n > 1."""
     return sum(len(ids) for ids in {id(j.prompt_ids): j.prompt_ids for j in jobs}.values())
+
+
+def _response_id(prefix: str, req: CompletionRequest | ChatCompletionRequest) -> str:
+    """vLLM's response id: <prefix>-<request_id> when the request names one, else a random one."""
+    return f"{prefix}-{req.request_id}" if req.request_id else new_id(prefix)

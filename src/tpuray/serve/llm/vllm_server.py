@@ -6,14 +6,26 @@ min_p, penalties, logit_bias, n, seed, stop, response_format (json_object, json_
 tool_choice (parser from engine_kwargs), stream_options, /tokenize, /detokenize, and vLLM's request
 validation and errors. tpuray keeps auth, routing and the Serve layout; requests arrive as JSON dicts and
 are parsed by vLLM's protocol classes.
+
+Nothing is silently ignored on this path either. vLLM's classes coerce types ("2" -> 2, "yes" -> True)
+and drop some OpenAI fields with only a debug log, so before vLLM parses a request tpuray checks it:
+- the OpenAI fields tpuray's own protocol defines get tpuray's strict types (`strict_check`); ranges are
+  left to vLLM (its limits differ from the embedded engine's, e.g. temperature above 2);
+- the fields vLLM accepts and never uses (`VLLM_DROPS`) are refused with a 400 naming them;
+- a vLLM error that names no `param` gets the request field its message names.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import AsyncIterator
+from functools import cache
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, create_model
+
+from tpuray.serve.llm import protocol
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
 from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
@@ -21,12 +33,78 @@ from tpuray.serve.llm.replica import EngineBackend
 
 DONE = "data: [DONE]\n\n"
 
+# OpenAI fields that vLLM 0.29's request classes accept and never use (logged at debug level, dropped).
+VLLM_DROPS: dict[str, dict[str, str]] = {
+    "completions": {"suffix": "vLLM serves no fill-in-the-middle mode"},
+    "chat": {
+        "store": "completions are not stored",
+        "metadata": "it only applies to stored completions (store), which are not kept",
+        "prediction": "vLLM does not implement predicted outputs",
+        "web_search_options": "there is no web search",
+        "functions": "vLLM implements tools, not the deprecated functions: use tools",
+        "function_call": "vLLM implements tool_choice, not the deprecated function_call: use tool_choice",
+        "audio": "vLLM returns text, not audio",
+        "verbosity": "vLLM has no verbosity control",
+    },
+}
+# Values of those fields that ask for nothing (an empty web_search_options, by contrast, turns search on).
+_HARMLESS: dict[str, tuple[Any, ...]] = {"store": (False,), "metadata": ({},), "functions": ([],)}
+# Fields vLLM parses with richer types than tpuray's protocol (tool calls in messages, structural tags in
+# response_format, named tool choices): their checks are vLLM's.
+_VLLM_TYPED = {"messages", "tools", "tool_choice", "response_format", "functions", "function_call"}
+_TPURAY_CLASSES: dict[str, type[BaseModel]] = {
+    "completions": protocol.CompletionRequest,
+    "chat": protocol.ChatCompletionRequest,
+}
 
-def _error(err: Any) -> OpenAIError:
+
+@cache
+def _strict_model(endpoint: str) -> type[BaseModel]:
+    """The OpenAI fields of tpuray's request class for `endpoint`, strict types, no range limits."""
+    cls = _TPURAY_CLASSES[endpoint]
+    fields: Any = {n: (f.annotation, None) for n, f in cls.model_fields.items() if n not in _VLLM_TYPED}
+    return create_model(f"Strict{cls.__name__}", __config__=ConfigDict(strict=True, extra="ignore"), **fields)
+
+
+def strict_check(endpoint: str, body: dict[str, Any]) -> None:
+    """Raise a 400 OpenAIError naming the first field of a completions or chat body that vLLM would
+    coerce (a wrong type) or drop (VLLM_DROPS)."""
+    if endpoint not in _TPURAY_CLASSES:
+        return
+    for name, why in VLLM_DROPS[endpoint].items():
+        if body.get(name) is not None and body[name] not in _HARMLESS.get(name, ()):
+            raise OpenAIError(f"'{name}' is not supported: {why}", param=name)
+    if endpoint == "completions" and body.get("best_of") not in (None, body.get("n", 1)):
+        raise OpenAIError(
+            f"best_of={body['best_of']!r} is not supported: vLLM returns n completions, it does not pick the "
+            f"best of more; valid: best_of == n ({body.get('n', 1)!r})",
+            param="best_of",
+        )
+    if endpoint == "chat":
+        if body.get("modalities") not in (None, ["text"]):
+            raise OpenAIError(
+                f"modalities={body['modalities']!r}: vLLM returns text; valid: ['text']", param="modalities"
+            )
+        if body.get("service_tier") not in (None, "auto", "default"):
+            raise OpenAIError(
+                f"service_tier={body['service_tier']!r}: there is one tier here; valid: 'auto', 'default'",
+                param="service_tier",
+            )
+    parse_request(_strict_model(endpoint), body)
+
+
+def _named_param(message: str, body: dict[str, Any]) -> str | None:
+    """The request field an error message names (longest first: top_logprobs before logprobs)."""
+    words = set(re.findall(r"[A-Za-z_]+", message))
+    return next((k for k in sorted(body, key=len, reverse=True) if k in words), None)
+
+
+def _error(err: Any, body: dict[str, Any]) -> OpenAIError:
     """vLLM's ErrorResponse -> OpenAIError (same fields; `code` is vLLM's HTTP status)."""
     info = err.error
     status = int(info.code) if str(info.code).isdigit() else 400
-    return OpenAIError(info.message, status, type=info.type, param=info.param)
+    param = info.param or (_named_param(info.message, body) if status == 400 else None)
+    return OpenAIError(info.message, status, type=info.type, param=param)
 
 
 class VLLMServer(EngineBackend):
@@ -90,10 +168,14 @@ class VLLMServer(EngineBackend):
             raise OpenAIError(
                 f"model `{self.model_id}` does not serve {endpoint}; it serves text generation", param="model"
             )
+        strict_check(endpoint, body)
         try:
             return await method(parse_request(cls, body), None)
+        except OpenAIError as e:  # vLLM's pydantic checks: name the field a model-level error talks about
+            e.param = e.param or _named_param(e.message, body)
+            raise
         except (ValueError, VLLMClientError) as e:  # vLLM's request validation (as `vllm serve` answers it)
-            raise _error(serving.create_error_response(e)) from None
+            raise _error(serving.create_error_response(e), body) from None
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed request: the response dict, or OpenAIError raised."""
@@ -101,7 +183,7 @@ class VLLMServer(EngineBackend):
 
         result = await self._call(endpoint, body)
         if isinstance(result, ErrorResponse):
-            raise _error(result)
+            raise _error(result, body)
         if isinstance(result, AsyncIterator):  # stream=true reached the non-streamed path
             raise OpenAIError("stream must be true for a streamed response", param="stream")
         return result.model_dump(exclude_unset=False)
@@ -113,7 +195,7 @@ class VLLMServer(EngineBackend):
 
         result = await self._call(endpoint, body)
         if isinstance(result, ErrorResponse):
-            raise _error(result)
+            raise _error(result, body)
         if not isinstance(result, AsyncIterator):  # e.g. /tokenize, or stream=false: one JSON body
             yield result.model_dump()
             return

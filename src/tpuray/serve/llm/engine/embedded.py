@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.prompts import PromptEncoder
 from tpuray.serve.llm.engine.sampling import SamplingParams
@@ -50,11 +51,9 @@ class EmbeddedEngine(PromptEncoder):
     ):
         from transformers import AutoTokenizer
 
-        from tpuray.serve.llm import model_source
-
         config.check_model_source()
         self.config = config
-        path = Path(model_source.resolve(config.model_source))
+        path = Path(model_source.resolve(config.model_source))  # here: the tokenizer and config.json
         tokenizer = config.model_loading_config.tokenizer_source
         tok_path = model_source.resolve(tokenizer) if tokenizer else str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
@@ -89,7 +88,7 @@ class EmbeddedEngine(PromptEncoder):
         use_actors = config.topology is not None if use_actors is None else use_actors
         if use_actors:
             try:
-                self._start_workers(str(path), kwargs, reservation_timeout_s)
+                self._start_workers(config.model_source, kwargs, reservation_timeout_s)
             except BaseException:
                 self.shutdown()
                 raise
@@ -102,7 +101,7 @@ class EmbeddedEngine(PromptEncoder):
             )
 
     # -- workers ------------------------------------------------------------------------------------------
-    def _start_workers(self, path: str, kwargs: dict, timeout_s: float) -> None:
+    def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
         import ray
 
         cfg = self.config
@@ -118,6 +117,8 @@ class EmbeddedEngine(PromptEncoder):
         self.group = SliceWorkerGroup(spec, EngineWorker).start()
         backend = "tpu_dist" if cfg.topology is not None else ("gloo" if spec.num_workers > 1 else None)
         ray.get(self.group.init_process_group(backend, timeout_s))
+        # every host reads the model from its own disk (a Hub id or URL is downloaded once per host)
+        path = model_source.resolve_on_hosts(source, self.group.host_strategies(), cfg.runtime_env)
         self.worker_info = ray.get(self.group.call("load", path, kwargs))
         logger.info(
             "%s: embedded engine, tensor_parallel_size=%d on %r; workers %s",

@@ -7,6 +7,8 @@ something. Semantics (the tests compare them with transformers' logits processor
 - presence / frequency penalty (OpenAI, vLLM): logit -= frequency x (count in the output) + presence x
   (1 if it occurs in the output);
 - logit_bias (OpenAI; transformers' SequenceBiasLogitsProcessor with one-token sequences): added;
+- min_tokens (vLLM): EOS (unless ignore_eos) and stop_token_ids get -inf until min_tokens were generated;
+- allowed_token_ids (vLLM): every other token gets -inf;
 - grammar masks (llguidance's bitmask, one int32 bit per token): disallowed tokens get -inf.
 Logprobs are those of the raw model distribution (log_softmax of the unprocessed logits), as vLLM
 returns them by default.
@@ -14,7 +16,7 @@ returns them by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -57,6 +59,21 @@ def apply_logit_bias(logits: torch.Tensor, biases: dict[int, dict[int, float]]) 
         if bias:
             ids = torch.tensor(list(bias))
             logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
+def apply_token_masks(
+    logits: torch.Tensor, banned: Mapping[int, Sequence[int]], allowed: Mapping[int, Sequence[int]]
+) -> None:
+    """In place: row -> token ids that may not be sampled (min_tokens: EOS and stop_token_ids), row -> the
+    only token ids that may be (allowed_token_ids); the others get -inf."""
+    for row, ids in banned.items():
+        if ids:
+            logits[row, list(ids)] = float("-inf")
+    for row, ids in allowed.items():
+        keep = torch.full_like(logits[row], float("-inf"))
+        index = torch.tensor(list(ids))
+        keep[index] = logits[row, index]
+        logits[row] = keep
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:

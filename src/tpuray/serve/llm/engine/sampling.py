@@ -2,8 +2,9 @@
 
 One call samples the whole batch: each row has its own parameters and its own seeded generator, so a
 seeded sequence samples the same tokens whatever else is in the batch. Logits processing before sampling
-(penalties, logit_bias, grammar masks) is in logits.py; the order follows vLLM's: penalties and bias ->
-grammar mask -> greedy or temperature -> min-p -> top-k / top-p -> inverse-CDF draw.
+(penalties, logit_bias, token masks, grammar masks) is in logits.py; the order follows vLLM's: penalties
+and bias -> min_tokens / allowed_token_ids masks -> grammar mask -> greedy or temperature -> min-p ->
+top-k / top-p -> inverse-CDF draw.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # EOS is an ordinary token: generate until max_tokens or a stop
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings unchecked) until this many
+    include_stop_str_in_output: bool = False  # the stop string / stop token ends the output text
+    skip_special_tokens: bool = True  # decode without the tokenizer's special tokens
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen token's)
     prompt_logprobs: int | None = None  # the same for every prompt token (echo)
     grammar: Any = None  # a llguidance grammar (grammar.py) the output must follow
@@ -44,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
     @property
     def penalized(self) -> bool:

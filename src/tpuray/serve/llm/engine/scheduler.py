@@ -24,6 +24,7 @@ from tpuray.serve.llm.engine.logits import (
     apply_bitmask,
     apply_logit_bias,
     apply_penalties,
+    apply_token_masks,
     token_logprobs,
 )
 from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
@@ -54,6 +55,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # chars of `text` already sent
+    stop_from: int = 0  # chars of `text` made by the first min_tokens tokens: no stop string ends there
     prefix_offset: int = 0  # detokenizer window: output_ids[prefix_offset:read_offset] were decoded last
     read_offset: int = 0
     sent_tokens: int = 0
@@ -125,12 +127,19 @@ class Scheduler:
         return list(self.running), batch
 
     def _processed(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """The logits each row samples from: penalties, logit_bias and grammar masks applied."""
+        """The logits each row samples from: penalties, logit_bias, min_tokens / allowed_token_ids and
+        grammar masks applied."""
         params = [s.params for s in seqs]
         penal = [i for i, p in enumerate(params) if p.penalized]
         biased = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+        banned = {
+            i: self._stop_tokens(p)
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True))
+            if len(s.output_ids) < p.min_tokens
+        }
+        allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.finished]
-        if not (penal or biased or constrained):
+        if not (penal or biased or banned or allowed or constrained):
             return logits
         out = logits.clone()
         apply_penalties(
@@ -143,10 +152,16 @@ class Scheduler:
             [params[i].repetition_penalty for i in penal],
         )
         apply_logit_bias(out, biased)
+        apply_token_masks(out, banned, allowed)
         if constrained:
             mask = self.grammars.bitmask([seqs[i].matcher for i in constrained])
             apply_bitmask(out, mask, constrained)
         return out
+
+    def _stop_tokens(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a sequence: stop_token_ids, and EOS unless ignore_eos."""
+        eos = [] if params.ignore_eos else sorted(self.eos_ids)
+        return [*eos, *params.stop_token_ids]
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor, prompt_lps: dict | None = None) -> None:
         """Sample one token per sequence, record logprobs, emit outputs, retire finished sequences."""
@@ -167,8 +182,12 @@ class Scheduler:
             if prompt_lps and i in prompt_lps:
                 seq.prompt_logprobs = prompt_lps[i]
             reason = None
-            if token in self.eos_ids or token in seq.params.stop_token_ids:
+            if token in seq.params.stop_token_ids or (token in self.eos_ids and not seq.params.ignore_eos):
                 reason = "stop"
+                if seq.params.include_stop_str_in_output:  # vLLM: the stop token is part of the output
+                    seq.output_ids.append(token)
+                    if i in records:
+                        seq.logprobs.append(records[i])
             else:
                 seq.output_ids.append(token)
                 if i in records:
@@ -189,9 +208,9 @@ class Scheduler:
         """The output's text so far, decoding only the newest tokens plus the previous step's ones (that
         context keeps tokenizers which merge spaces or bytes across tokens exact). An incomplete UTF-8
         character is held back until a later token completes it or the sequence ends."""
-        ids, decode = seq.output_ids, self.tokenizer.decode
-        before = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-        after = decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+        ids, skip = seq.output_ids, seq.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             seq.text += after[len(before) :]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
@@ -199,15 +218,19 @@ class Scheduler:
 
     def _emit(self, seq: Sequence, reason: str | None) -> None:
         text = self._detokenize(seq, final=reason is not None)
-        stops = seq.params.stop
-        if stops:
-            hits = [i for i in (text.find(s, max(0, seq.emitted - len(s))) for s in stops) if i >= 0]
-            if hits:
-                text, reason = text[: min(hits)], "stop"
+        params = seq.params
+        stops = params.stop
+        if len(seq.output_ids) <= params.min_tokens:
+            seq.stop_from = len(text)
+        elif stops:
+            end = _first_stop(text, stops, max(seq.emitted, seq.stop_from))
+            if end is not None:
+                text, reason = text[: end[1] if params.include_stop_str_in_output else end[0]], "stop"
         if reason is None:
             # hold back an incomplete UTF-8 character and anything that could still become a stop string
+            # (unless the stop string goes out with the text anyway)
             safe = len(text.rstrip("\ufffd"))
-            if stops:
+            if stops and not params.include_stop_str_in_output:
                 safe = min(safe, len(text) - max(len(s) for s in stops) + 1)
             delta = text[seq.emitted : max(safe, seq.emitted)]
         else:
@@ -243,3 +266,14 @@ class Scheduler:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
+
+
+def _first_stop(text: str, stops: list[str], checked: int) -> tuple[int, int] | None:
+    """(start, end) of the stop string that completes first in `text` after its first `checked` chars
+    (vLLM's rule: earliest end, ties by list order), or None."""
+    best: tuple[int, int] | None = None
+    for stop in stops:
+        start = text.find(stop, max(0, checked - len(stop) + 1))
+        if start >= 0 and (best is None or start + len(stop) < best[1]):
+            best = (start, start + len(stop))
+    return best

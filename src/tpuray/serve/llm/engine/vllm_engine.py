@@ -80,7 +80,9 @@ class VLLMEngine:
             return model_source.resolve(source)
         per_host = self.spg.num_bundles // self.spg.num_hosts
         return model_source.resolve_on_hosts(
-            source, self.spg.placement_group, list(range(0, self.spg.num_bundles, per_host))
+            source,
+            [self.spg.scheduling_strategy(b) for b in range(0, self.spg.num_bundles, per_host)],
+            self.config.runtime_env,
         )
 
     def _start(self, path: str, ray_address: str | None) -> None:
@@ -115,7 +117,9 @@ class VLLMEngine:
             log_requests=self.args.enable_log_requests,
         )
         self.vllm_config = vllm_config
-        logger.info("%s: vLLM engine up: %s", cfg.model_id, self.where())
+        # an emulated slice is said where operators look (a warning reaches the replica's log by default)
+        log = logger.warning if self.emulated else logger.info
+        log("%s: vLLM engine up: %s", cfg.model_id, self.where())
 
     @staticmethod
     def _cpu_backend() -> bool:
@@ -167,7 +171,8 @@ class VLLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "max_model_len": self.max_model_len,
             "slice": repr(self.spg) if self.spg is not None else None,
-            "worker_nodes": bundles,  # the node of each per-chip worker (bundle order)
+            "placement_group_id": self.spg.placement_group.id.hex() if self.spg is not None else None,
+            "bundle_nodes": bundles,  # the node of each per-chip bundle (one vLLM worker each)
             "emulated": self.emulated,
             "where": self.where(),
         }

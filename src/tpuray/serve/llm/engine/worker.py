@@ -121,8 +121,12 @@ class EngineWorker(SliceWorker):
         )
         if device == "tpu":
             logger.info("engine worker rank %d/%d on tpu (%s)", rank, world_size, mode)
+        import ray
+
         return {
             "rank": rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "model_path": path,
             "device": str(self.runner.device),
             "emulated": is_emulated(),
             "pid": os.getpid(),
