@@ -29,6 +29,12 @@ def _dump(config: dict, name: str, doc: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def first_then_shards(config: dict) -> None:
+    """config["first"](config) (e.g. the seed sample), then shard_loop: one fit checks both."""
+    config["first"](config)
+    shard_loop(config)
+
+
 def shard_loop(config: dict) -> None:
     """`epochs` passes over the "train" shard with iter_torch_batches (default device), one pass over
     "val" (if any) with iter_rows; per rank: ids seen per epoch, batch devices, val ids."""

@@ -14,6 +14,8 @@ import ray.cloudpickle
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _data_loops  # noqa: E402
+import _loops  # noqa: E402
+from _examples import load_example  # noqa: E402
 
 from tpuray.constants import ROLE_LABEL  # noqa: E402
 from tpuray.emulator import SliceRequest  # noqa: E402
@@ -176,22 +178,49 @@ def test_get_dataset_shard_outside_a_run() -> None:
 
 
 @pytest.mark.slow
-def test_split_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
-    """16 workers on 4 emulated hosts: every row exactly once per epoch, equal shards, map_batches on the
-    CPU head."""
+def test_seed_sample_and_split_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
+    """The one tpuray.train test on a multi-host slice (16 workers on 4 emulated hosts; each 16-worker fit
+    costs about a minute here, so one fit checks both): the seed sample (examples/train_seed.py) unchanged
+    over tpu_dist with each rank's env, then Ray Data: every row exactly once per epoch, equal shards,
+    map_batches on the CPU head."""
     cluster_manager.get(SliceRequest("TPU-V6E", "4x4"), head_cpus=2)
+    ray.cloudpickle.register_pickle_by_value(_loops)
+    example = load_example("train_seed.py")
+    assert example.trainer.scaling_config.num_workers == 16
     nodes = tmp_path / "nodes"
     trainer = TorchTrainer(
-        _data_loops.shard_loop,
-        train_loop_config={"epochs": 2, "out_dir": str(tmp_path)},
-        scaling_config=ScalingConfig(
-            num_workers=16, use_tpu=True, topology="4x4", accelerator_type="TPU-V6E"
-        ),
-        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="data4x4", verbose=0),
+        _data_loops.first_then_shards,
+        train_loop_config={
+            "first": _loops.env_dump_then,
+            "seed_fn": example.train_fn_per_worker,
+            "epochs": 2,
+            "out_dir": str(tmp_path),
+        },
+        scaling_config=example.scaling_config,
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="seed4x4", verbose=0),
         datasets={"train": _tagged(256, nodes, blocks=16)},
     )
     result = trainer.fit()
     assert result.error is None
+
+    seed = [m for m in result.metrics_history if "loss" in m]
+    assert [m["epoch"] for m in seed] == list(range(1, 11))
+    losses = [m["loss"] for m in seed]
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    envs = sorted((json.load(open(p)) for p in tmp_path.glob("rank*.json")), key=lambda d: d["rank"])
+    assert [r["rank"] for r in envs] == list(range(16))
+    for r in envs:
+        host, chip = divmod(r["rank"], 4)
+        assert r["NODE_RANK"] == str(host) == r["TPU_WORKER_ID"]  # ranks ordered by host worker id
+        assert r["LOCAL_RANK"] == r["TPU_VISIBLE_CHIPS"] == str(chip)
+        assert r["WORLD_SIZE"] == "16" and r["LOCAL_WORLD_SIZE"] == "4"
+        assert r["TORCH_TPU_TOPOLOGY"] and len(r["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) >= 4
+    nodes_per_host: dict[str, set] = {}
+    for r in envs:
+        nodes_per_host.setdefault(r["node"], set()).add(r["node_id"])
+    assert len(nodes_per_host) == 4 and all(len(v) == 1 for v in nodes_per_host.values())
+    assert len({next(iter(v)) for v in nodes_per_host.values()}) == 4  # four distinct Ray nodes
+
     ranks = _ranks(tmp_path)
     assert len(ranks) == 16
     _assert_each_row_once(ranks, 256, 2)
