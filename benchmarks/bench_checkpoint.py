@@ -10,8 +10,10 @@ and reports it. Two storages: a local directory (the upload is a copy into the p
 that competes with the two workers for the two cores), and the same directory behind an fsspec
 filesystem whose uploads take at least size / `store_mb_s` (a bandwidth-limited object store,
 SIMULATED: the copy, then a sleep for the rest of the transfer time, during which the CPU is idle as it
-is while a network upload waits). Prints medians over the steps after the first two, of every fit; the
-goal is on what a checkpoint costs the training step: ASYNC <= 0.3x SYNC. Figures only, no assertions.
+is while a network upload waits). Prints medians over the steps after the first two, of every fit. The
+goal (issue 16) is on step time: ASYNC <= 0.3x SYNC, for each storage. The upload cost (step minus the
+no-checkpoint step minus the loop's own save) is printed beside it as information, not as the goal.
+Figures only, no assertions.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ def main() -> None:
     print()
     head = f"{'per step, rank 0, median (s)':34s} {'SYNC':>7s} {'ASYNC':>7s} {'ASYNC/SYNC':>10s}"
     print(f"no checkpoint: step {base:.3f} s (compute {med[('none', 'local')]['compute']:.3f} s)")
-    goals = {}
+    goals: dict[str, float] = {}  # ASYNC/SYNC step time: the goal
+    costs: dict[str, float] = {}  # ASYNC/SYNC upload cost: information
     for where, title in (
         ("local", "local disk"),
         ("store", f"simulated store, {args.store_mb_s:g} MB/s"),
@@ -174,20 +177,25 @@ def main() -> None:
         sync, asyn = med[("sync", where)], med[("async", where)]
         for key in ("compute", "save", "report", "step"):
             print(f"{key:34s} {sync[key]:7.3f} {asyn[key]:7.3f} {asyn[key] / sync[key]:10.2f}")
+        goals[where] = asyn["step"] / sync["step"]
         cost = {m: med[(m, where)]["step"] - base - med[(m, where)]["save"] for m in ("sync", "async")}
-        goals[where] = cost["async"] / cost["sync"] if cost["sync"] >= NOISE_S else float("nan")
-        ratio = f"{goals[where]:10.2f}" if goals[where] == goals[where] else f"{'n/a':>10s}"
+        costs[where] = cost["async"] / cost["sync"] if cost["sync"] >= NOISE_S else float("nan")
+        ratio = f"{costs[where]:10.2f}" if costs[where] == costs[where] else f"{'n/a':>10s}"
         print(f"{'upload cost: step - no-ckpt - save':34s} {cost['sync']:7.3f} {cost['async']:7.3f} {ratio}")
     print(
         f"\n{args.mb} MB per rank per step, 2 CPU workers, {args.steps - WARMUP_STEPS} steps x {args.reps} fits "
         f"per mode and storage; os.cpu_count()={os.cpu_count()}"
     )
     for where, value in goals.items():
+        verdict = "MET" if value <= 0.3 else "NOT MET"
+        print(f"goal: step time ASYNC <= 0.3x SYNC ({where}): {value:.2f}x {verdict}")
+    for where, value in costs.items():
         if value != value:  # nan: SYNC's upload cost is below the noise
-            print(f"goal: upload cost per step ASYNC <= 0.3x SYNC ({where}): n/a (SYNC's cost < {NOISE_S} s)")
+            print(
+                f"information, not the goal: upload cost per step ASYNC/SYNC ({where}): n/a (SYNC's < {NOISE_S} s)"
+            )
         else:
-            verdict = "MET" if value <= 0.3 else "NOT MET"
-            print(f"goal: upload cost per step ASYNC <= 0.3x SYNC ({where}): {value:.2f}x {verdict}")
+            print(f"information, not the goal: upload cost per step ASYNC/SYNC ({where}): {value:.2f}x")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ def loop(config: dict) -> None:
             if notice_seen is None and train.get_preemption_info() is not None and ctx.should_checkpoint():
                 notice_seen = time.time()
             time.sleep(min(0.01, left))
+        if notice_seen is None and train.get_preemption_info() is not None:  # it came during report()
+            notice_seen = time.time()
         metrics = {
             "step": step + 1,
             "attempt": ctx.get_attempt(),

@@ -3,7 +3,7 @@ the SAME emulated TPU slices (Ray's `use_tpu=True` path, which runs unchanged on
 the seed's training loop on 4 workers (v6e 2x2) and 16 workers (v6e 4x4), in one run on one machine; plus
 the earlier anchor, Ray Train on 4 CPU workers with gloo.
 
-    .venv/bin/python benchmarks/bench_train.py [--reps 3] [--reps16 2] [--reports 50]
+    .venv/bin/python benchmarks/bench_train.py [--reps 3] [--reps16 2] [--reports 50] [--reports16 10]
 
 Prints medians and ratios (tpuray / Ray Train; < 1 means tpuray is faster). Figures only, no assertions.
 Everything TPU here is EMULATED (CPU compute behind the tpu device, gloo behind tpu_dist).
@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="fits per trainer at 4 workers (alternating)")
     parser.add_argument("--reps16", type=int, default=2, help="fits per trainer at 16 workers")
     parser.add_argument("--reports", type=int, default=50, help="report() calls in the overhead run")
+    parser.add_argument(
+        "--reports16", type=int, default=10, help="report() calls in the 16-worker overhead run"
+    )
     args = parser.parse_args()
     logging.getLogger("ray.train").setLevel(logging.WARNING)
 
@@ -145,10 +148,11 @@ def main() -> None:
         tpu4 = _medians(args, storage, 4, args.reps, ray_tpu=True)
         tpu16 = _medians(args, storage, 16, args.reps16, ray_tpu=True)
         cpu4 = _medians(args, storage, 4, args.reps, ray_tpu=False)
-        per_report = {}
-        for api in ("tpuray", "ray"):
-            _, result = fit(api, report_loop, {"n": args.reports}, storage, 4, tpu=True)
-            per_report[api] = result.return_value
+        per_report: dict[int, dict[str, float]] = {4: {}, 16: {}}
+        for workers, n in ((4, args.reports), (16, args.reports16)):
+            for api in ("tpuray", "ray"):
+                _, result = fit(api, report_loop, {"n": n}, storage, workers, tpu=True)
+                per_report[workers][api] = result.return_value
         ray.shutdown()
 
     print()
@@ -160,10 +164,12 @@ def main() -> None:
     ]
     for name, med in rows:
         print(f"{name:58s} {med['tpuray']:9.2f} {med['ray']:10.2f} {med['tpuray'] / med['ray']:7.2f}")
-    print(
-        f"{'report() overhead, 4 workers, emulated 2x2 (ms/call)':58s} {per_report['tpuray'] * 1e3:9.3f} "
-        f"{per_report['ray'] * 1e3:10.3f} {per_report['tpuray'] / per_report['ray']:7.3f}"
-    )
+    for workers, topology in ((4, "2x2"), (16, "4x4")):
+        rep = per_report[workers]
+        name = f"report() overhead, {workers} workers, emulated {topology} (ms/call)"
+        print(
+            f"{name:58s} {rep['tpuray'] * 1e3:9.3f} {rep['ray'] * 1e3:10.3f} {rep['tpuray'] / rep['ray']:7.3f}"
+        )
     print(
         f"(medians of {args.reps} / {args.reps16} fits; Ray Train {ray.__version__} (V2) with use_tpu=True on the "
         f"same emulated slices; goal: fit ratio <= 0.5; os.cpu_count()={os.cpu_count()})"
