@@ -52,6 +52,23 @@ HOST_ENV = (
 TPU_VISIBLE_CHIPS_ENV = "TPU_VISIBLE_CHIPS"
 # A process's rank within its slice (libtpu / TorchTPU), set per process by `tpuray.isolation.process_env`.
 CLOUD_TPU_TASK_ID_ENV = "CLOUD_TPU_TASK_ID"
+# libtpu's multi-process layout, set per process by `tpuray.topology.worker_env` (torch_xla's names).
+TPU_CHIPS_PER_PROCESS_BOUNDS_ENV = "TPU_CHIPS_PER_PROCESS_BOUNDS"
+TPU_PROCESS_BOUNDS_ENV = "TPU_PROCESS_BOUNDS"
+TPU_PROCESS_ADDRESSES_ENV = "TPU_PROCESS_ADDRESSES"
+TPU_PROCESS_PORT_ENV = "TPU_PROCESS_PORT"
+# TorchTPU's tpu_dist (torch_tpu 0.2.0), set per process by `tpuray.topology.worker_env`.
+TORCH_TPU_TOPOLOGY_ENV = "TORCH_TPU_TOPOLOGY"
+TORCH_TPU_SLICEBUILDER_ADDRESSES_ENV = "TORCH_TPU_SLICEBUILDER_ADDRESSES"
+TORCH_TPU_DEVICES_PER_HOST_ENV = "TORCH_TPU_DEVICES_PER_HOST"  # tpu_dist: ranks per host (LOCAL_RANK < it)
+# Read by torch_tpu's launcher (`torch.tpu.distributed.set_tpu_launch_env`), never set by tpuray.
+JOB_COMPLETION_INDEX_ENV = "JOB_COMPLETION_INDEX"
+TORCH_TPU_BASE_PORT_ENV = "TORCH_TPU_BASE_PORT"
+# torchrun's per-process variables (set by `tpuray.slices.distributed.torchrun_env`).
+NODE_RANK_ENV = "NODE_RANK"
+NNODES_ENV = "NNODES"
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
 # Ray's single-process sub-host bounds (1-2 chip shares): they describe an isolated 1-host slice.
 RAY_SUBHOST_BOUNDS_ENV = ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
 

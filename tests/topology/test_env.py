@@ -109,7 +109,8 @@ def test_v7x_two_devices_per_chip():
     assert env["TORCH_TPU_TOPOLOGY"] == "2,2,2,2"
     assert env["TPU_PROCESS_BOUNDS"] == "2,2,2,2"
     assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
-    assert env["TORCH_TPU_DEVICES_PER_HOST"] == "8"
+    # ranks per host (one process per chip), so torch_tpu's launcher derives the same 4 addresses per host
+    assert env["TORCH_TPU_DEVICES_PER_HOST"] == "4"
     assert env["TPU_WORKER_ID"] == "1" and env["TPU_VISIBLE_CHIPS"] == "1"
 
 

@@ -16,9 +16,9 @@ def test_text_report(capsys):
     out = capsys.readouterr().out
     assert "v6e (Trillium) 4x4 - pod type v6e-16" in out
     assert "4 per slice, 4 chips each" in out
-    assert "     0   1|  4   5" in out  # mesh: first row, host boundary between columns 1 and 2
+    assert "     0   1|  8   9" in out  # mesh row 0: workers 0 | 2 (worker 1 is below worker 0)
     assert "TPU_PROCESS_BOUNDS=4,4,1" in out and "TORCH_TPU_TOPOLOGY=4,4,1" in out
-    assert "5     1       1     0,3,0   v6e-16-w1" in out  # rank layout row
+    assert "5     1       1     2,1,0   v6e-16-w1" in out  # rank layout row (hosts: first dim fastest)
 
 
 def test_json_plan(capsys):

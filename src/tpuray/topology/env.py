@@ -12,7 +12,14 @@ from functools import lru_cache
 
 from tpuray.constants import (
     CLOUD_TPU_TASK_ID_ENV,
+    TORCH_TPU_DEVICES_PER_HOST_ENV,
+    TORCH_TPU_SLICEBUILDER_ADDRESSES_ENV,
+    TORCH_TPU_TOPOLOGY_ENV,
     TPU_ACCELERATOR_TYPE_ENV,
+    TPU_CHIPS_PER_PROCESS_BOUNDS_ENV,
+    TPU_PROCESS_ADDRESSES_ENV,
+    TPU_PROCESS_BOUNDS_ENV,
+    TPU_PROCESS_PORT_ENV,
     TPU_TOPOLOGY_ENV,
     TPU_VISIBLE_CHIPS_ENV,
     TPU_WORKER_HOSTNAMES_ENV,
@@ -22,7 +29,9 @@ from tpuray.topology.slice import Coords, SliceTopology
 from tpuray.validation import ConfigError, check_positive_int, is_int
 
 DEFAULT_PROCESS_PORT = 8476  # libtpu TPU_PROCESS_PORT base (torch_xla's default)
-DEFAULT_SLICEBUILDER_PORT = 8070  # TorchTPU slice builder base port, + local rank
+# TorchTPU slice builder base port, + local rank (torch_tpu 0.2.0 set_tpu_launch_env: TORCH_TPU_BASE_PORT's
+# default, checked by tests/topology/test_torch_tpu_launch_env.py)
+DEFAULT_SLICEBUILDER_PORT = 8070
 
 
 def _csv(values: Sequence[int]) -> str:
@@ -83,21 +92,26 @@ def _build_shared(
 
     ports = [port_base + p for p in range(procs)]
     sb_ports = [slicebuilder_port_base + p for p in range(procs)]
+    # Hosts are listed in worker-id order, which is torch_tpu's topological NODE_RANK order (see
+    # tpuray.topology.slice), so torch_tpu's set_tpu_launch_env derives this same address list from
+    # TPU_WORKER_HOSTNAMES and TORCH_TPU_DEVICES_PER_HOST: one address per rank, the ranks of a host on
+    # consecutive ports. TORCH_TPU_DEVICES_PER_HOST is therefore the ranks per host (tpu_dist also
+    # requires LOCAL_RANK < it), not the devices of the host: they differ on v7x and for chip shares.
     common = {
-        "TPU_CHIPS_PER_PROCESS_BOUNDS": _csv(share),
-        "TPU_PROCESS_BOUNDS": _csv(process_bounds),
-        "TPU_PROCESS_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in ports),
+        TPU_CHIPS_PER_PROCESS_BOUNDS_ENV: _csv(share),
+        TPU_PROCESS_BOUNDS_ENV: _csv(process_bounds),
+        TPU_PROCESS_ADDRESSES_ENV: ",".join(f"{h}:{p}" for h in hosts for p in ports),
         TPU_WORKER_HOSTNAMES_ENV: ",".join(hosts),
         TPU_ACCELERATOR_TYPE_ENV: topo.pod_type,
         TPU_TOPOLOGY_ENV: topo.topology,
-        "TORCH_TPU_TOPOLOGY": _csv(topology_dims),
-        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"{h}:{p}" for h in hosts for p in sb_ports),
-        "TORCH_TPU_DEVICES_PER_HOST": str(topo.devices_per_host),
+        TORCH_TPU_TOPOLOGY_ENV: _csv(topology_dims),
+        TORCH_TPU_SLICEBUILDER_ADDRESSES_ENV: ",".join(f"{h}:{p}" for h in hosts for p in sb_ports),
+        TORCH_TPU_DEVICES_PER_HOST_ENV: str(procs),
     }
     local_envs = tuple(
         {
             TPU_VISIBLE_CHIPS_ENV: _csv(range(p * chips_per_process, (p + 1) * chips_per_process)),
-            "TPU_PROCESS_PORT": str(ports[p]),
+            TPU_PROCESS_PORT_ENV: str(ports[p]),
             **common,
         }
         for p in range(procs)

@@ -4,8 +4,10 @@ Conventions (see docs/topology.md):
 - Coordinates follow the topology string: "AxBxC" -> coords (a, b, c) with 0 <= a < A, ...;
   2D topologies are padded with a trailing 1 ("4x4" -> shape (4, 4, 1)).
 - Multi-host slices are cut into 2x2x1 blocks of 4 chips, one block per host. Hosts are numbered
-  (worker id) row-major over the host grid, last dimension fastest - the order Ray 2.60 uses for
-  its physical worker ids.
+  (worker id) over the host grid with the first dimension fastest (Z-major, X-minor): torch_tpu
+  0.2.0's topological NODE_RANK (`_get_slice_host_coordinates` in
+  torch_tpu/_internal/distributed/distributed.py) and Ray 2.60's `_get_physical_worker_id_from_coords`
+  (x = the first chip coordinate, fastest) both order hosts this way.
 - Inside a host, local chip i (= TPU_VISIBLE_CHIPS index = LOCAL_RANK) is also row-major, last
   dimension fastest, so a 2-chip share is a 1x2x1 block (Ray's TPU_CHIPS_PER_HOST_BOUNDS "1,2,1").
 - rank = host * chips_per_host + local_chip.
@@ -41,6 +43,18 @@ def _row_major(index: int, bounds: Coords) -> Coords:
     """Index -> coordinates in a grid of `bounds`, last dimension fastest."""
     _, b1, b2 = bounds
     return (index // (b1 * b2), (index // b2) % b1, index % b2)
+
+
+def _host_major(index: int, bounds: Coords) -> Coords:
+    """Host index -> host grid coordinates, first dimension fastest (torch_tpu's NODE_RANK order)."""
+    b0, b1, _ = bounds
+    return (index % b0, (index // b0) % b1, index // (b0 * b1))
+
+
+def _host_index(host: Coords, bounds: Coords) -> int:
+    """Inverse of `_host_major`."""
+    b0, b1, _ = bounds
+    return (host[2] * b1 + host[1]) * b0 + host[0]
 
 
 def _share_bounds(share: int, host_shape: Coords) -> Coords | None:
@@ -203,14 +217,14 @@ class SliceTopology:
     # ---- coordinates and layout ----------------------------------------------------------------
 
     def host_coords(self, host: int) -> Coords:
-        """Position of worker `host` in the host grid."""
+        """Position of worker `host` in the host grid (first dimension fastest)."""
         self._check("host", host, self.num_hosts)
-        return _row_major(host, self.host_bounds)
+        return _host_major(host, self.host_bounds)
 
     def placement(self, rank: int) -> ChipPlacement:
         self._check("rank", rank, self.num_chips)
         host, local = divmod(rank, self.chips_per_host)
-        hx, hy, hz = _row_major(host, self.host_bounds)
+        hx, hy, hz = _host_major(host, self.host_bounds)
         sx, sy, sz = self.host_shape
         lx, ly, lz = _row_major(local, self.host_shape)
         return ChipPlacement(rank, host, local, (hx * sx + lx, hy * sy + ly, hz * sz + lz))
@@ -221,8 +235,7 @@ class SliceTopology:
         if len(coords) != 3 or any(not 0 <= c < s for c, s in zip(coords, self.shape, strict=True)):
             raise ConfigError(f"coords {coords!r} outside slice shape {self.shape}")
         (x, y, z), (sx, sy, sz) = coords, self.host_shape
-        _, hb1, hb2 = self.host_bounds
-        host = ((x // sx) * hb1 + y // sy) * hb2 + z // sz
+        host = _host_index((x // sx, y // sy, z // sz), self.host_bounds)
         local = ((x % sx) * sy + y % sy) * sz + z % sz
         return host * self.chips_per_host + local
 
@@ -235,7 +248,7 @@ class SliceTopology:
         out: list[ChipPlacement] = []
         extend = out.extend
         for host in range(self.num_hosts):
-            hx, hy, hz = _row_major(host, bounds)
+            hx, hy, hz = _host_major(host, bounds)
             ox, oy, oz = hx * sx, hy * sy, hz * sz
             base = host * cph
             extend(
