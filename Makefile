@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 
-.PHONY: setup demo test test-fast lint typecheck bench clean
+.PHONY: setup demo test test-fast test-tpu lint typecheck bench clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test: lint
 
 test-fast: setup   # skips the multi-host and long-running tests (marked slow)
 	$(BIN)/pytest -q -m "not slow"
+
+# On a TPU VM (no Ray, one process may hold the chip): the real-TPU suite in ONE process. Set-up:
+# ../shared/tpu-vm/README.md, then `. benchmarks/tpu_vm_env.sh`. Elsewhere every test skips with a reason.
+test-tpu:
+	python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/real_tpu tests/real_tpu
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples

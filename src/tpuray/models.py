@@ -113,3 +113,29 @@ def build_tiny_causal_lm(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def train_tiny_causal_lm(
+    path: str | Path, corpus: str | None = None, *, steps: int = 150, seed: int = 0, **model_kwargs
+) -> Path:
+    """`build_tiny_causal_lm(path, corpus, **model_kwargs)`, then fit it to the corpus on this process's
+    CPU (AdamW, `steps` steps of 128-token windows) and save it over the random weights: a model whose
+    greedy choices are confident, so the same tokens come out of any correct engine and device."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = build_tiny_causal_lm(path, corpus, seed=seed, **model_kwargs)
+    ids = AutoTokenizer.from_pretrained(path)(corpus or DEFAULT_CORPUS)["input_ids"]
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    window = min(128, len(ids) - 1)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window, (8,), generator=g).tolist()
+        batch = torch.tensor([ids[s : s + window] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(path)
+    return path

@@ -39,32 +39,28 @@ def run(engine, prompt, **kw):
 def test_forward_matches_transformers_with_kv_cache(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
+    from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills
+
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     m = ShardedLlama(tiny_model_dir)
-    cache = m.new_kv_cache(num_slots=4, max_model_len=64)
-    # two right-padded prompts in one prefill, then three batched decode steps
-    m.forward(
-        torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]]),
-        torch.tensor([0, 0]),
-        torch.tensor([4, 2]),
-        torch.tensor([0, 3]),
-        cache,
-    )
-    for t in range(3):
-        out = m.forward(
-            torch.tensor([[9 + t], [7 + t]]),
-            torch.tensor([4 + t, 2 + t]),
-            torch.tensor([1, 1]),
-            torch.tensor([0, 3]),
-            cache,
-        )
-    with torch.no_grad():
-        ref = [
-            hf(torch.tensor([[5, 6, 7, 8, 9, 10, 11]])).logits[0, -1],
-            hf(torch.tensor([[5, 6, 7, 8, 9]])).logits[0, -1],
-        ]
-    torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=1e-4)
+    for buckets in (Buckets.exact(), Buckets.for_engine(4, 64, 64)):  # exact sizes, then padded ones
+        cache = m.new_kv_cache(num_slots=4, max_model_len=64)
+        # two prompts packed in one prefill, then three batched decode steps
+        step = [(0, [5, 6, 7, 8], 0, None), (3, [5, 6], 0, None)]
+        p = pack_prefills(step, [0, 1], buckets, cache.trash_slot)[0]
+        first = m.prefill(p.tokens, p.positions, p.segments, p.slots, p.last_index, cache)
+        for t in range(3):
+            step = [(0, [9 + t], 4 + t, None), (3, [7 + t], 2 + t, None)]
+            d = decode_batches(step, [0, 1], buckets, cache.trash_slot)[0]
+            out = m.decode(d.tokens, d.positions, d.slots, cache, d.context_len)
+        with torch.no_grad():
+            ref = [
+                hf(torch.tensor([ids])).logits[0, -1] for ids in ([5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9])
+            ]
+            ref_first = hf(torch.tensor([[5, 6]])).logits[0, -1]
+        torch.testing.assert_close(first[1], ref_first, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=1e-4)
 
 
 def test_concurrent_equals_sequential(engine):

@@ -67,6 +67,18 @@ def _torch_tpu_env() -> dict[str, str]:
     return env
 
 
+def _refuse_on_real_tpu() -> None:
+    """An emulated slice on a machine with usable TPU chips would hand its workers the real chips under
+    emulated labels: refuse, before anything starts."""
+    from tpuray.runtime.detect import torch_tpu_usable
+
+    if torch_tpu_usable():
+        raise ConfigError(
+            "this machine has usable TPU chips (torch_tpu works here): tpuray emulates TPU slices only "
+            "where there are none. Run on the chips directly (`ray start` on the TPU VM, see docs/real-tpu.md)"
+        )
+
+
 def _vllm_env() -> dict[str, str]:
     """vLLM on an emulated cluster (every node, the CPU head included, where serving replicas and vLLM's
     engine core run): vLLM's platform is tpuray's EmulatedTpuPlatform (its CPU backend, scheduled one
@@ -183,6 +195,7 @@ class EmulatedCluster:
     def start(self) -> EmulatedCluster:
         if self._cluster is not None:
             return self
+        _refuse_on_real_tpu()
         import ray
         from ray.cluster_utils import Cluster
 

@@ -3,18 +3,18 @@ prepare_data_loader), built on Ray Core actors and plain torch.distributed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from tpuray.train.checkpoint import Checkpoint
-from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
-from tpuray.train.data import DataConfig
+from tpuray.train.config import TorchConfig
 from tpuray.train.session import _current
-from tpuray.train.trainer import DataParallelTrainer
 from tpuray.validation import ConfigError
+
+if TYPE_CHECKING:
+    from tpuray.train.torch_trainer import TorchTrainer
 
 __all__ = [
     "TorchConfig",
@@ -26,40 +26,32 @@ __all__ = [
 ]
 
 
-class TorchTrainer(DataParallelTrainer):
-    """Runs `train_loop_per_worker(train_loop_config)` on `scaling_config.num_workers` workers with
-    torch.distributed initialised (tpu_dist on TPU slices, nccl on GPUs, gloo on CPUs)."""
+def __getattr__(name: str) -> Any:
+    """`TorchTrainer` loads the trainer (and Ray) on first use: the worker-side helpers below import
+    neither, so they run where Ray is absent (a TPU VM's single process)."""
+    if name == "TorchTrainer":
+        from tpuray.train.torch_trainer import TorchTrainer
 
-    def __init__(
-        self,
-        train_loop_per_worker: Callable,
-        *,
-        train_loop_config: dict | None = None,
-        torch_config: TorchConfig | None = None,
-        scaling_config: ScalingConfig | None = None,
-        run_config: RunConfig | None = None,
-        resume_from_checkpoint: Checkpoint | None = None,
-        metadata: dict[str, Any] | None = None,
-        datasets: dict | None = None,
-        dataset_config: DataConfig | None = None,
-    ) -> None:
-        super().__init__(
-            train_loop_per_worker,
-            train_loop_config=train_loop_config,
-            scaling_config=scaling_config,
-            run_config=run_config,
-            torch_config=torch_config,
-            resume_from_checkpoint=resume_from_checkpoint,
-            metadata=metadata,
-            datasets=datasets,
-            dataset_config=dataset_config,
-        )
+        return TorchTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _local_device_type() -> str:
+    """Outside a training session: "tpu" where this process has a usable tpu device (a real TorchTPU,
+    or tpuray's emulation once active), else "cuda" where a GPU is visible, else "cpu"."""
+    accel = getattr(torch, "accelerator", None)  # torch_tpu answers through torch.accelerator only
+    if accel is not None and accel.is_available():
+        current = accel.current_accelerator()
+        if current is not None and current.type in ("tpu", "cuda"):
+            return current.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def get_device() -> torch.device:
-    """torch.device("tpu") on TPU workers, cuda:0 (the GPU Ray isolated) on GPU workers, else cpu."""
+    """torch.device("tpu") on TPU workers, cuda:0 (the GPU Ray isolated) on GPU workers, else cpu.
+    Outside a training session: the local accelerator (see `_local_device_type`)."""
     sess = _current()
-    kind = sess.context.device_type if sess is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = sess.context.device_type if sess is not None else _local_device_type()
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
     return torch.device(kind)

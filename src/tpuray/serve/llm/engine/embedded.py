@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.prompts import PromptEncoder
+from tpuray.serve.llm.engine.runner import ModelRunner, StepResult
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.engine.scheduler import Scheduler, SeqOutput, Sequence
-from tpuray.serve.llm.engine.worker import EngineWorker, ModelRunner
+from tpuray.serve.llm.engine.worker import EngineWorker
 from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,15 @@ class EngineShutDownError(RuntimeError):
 
 class EmbeddedEngine(PromptEncoder):
     def __init__(
-        self, config: LLMConfig, *, use_actors: bool | None = None, reservation_timeout_s: float = 120.0
+        self,
+        config: LLMConfig,
+        *,
+        use_actors: bool | None = None,
+        reservation_timeout_s: float = 120.0,
+        runner_options: dict[str, Any] | None = None,
     ):
+        """`runner_options`: extra ModelRunner arguments of an in-process engine (tests and benchmarks:
+        compile, compile_backend, static_shapes)."""
         from transformers import AutoTokenizer
 
         config.check_model_source()
@@ -98,7 +104,9 @@ class EmbeddedEngine(PromptEncoder):
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len,
                 dtype=kwargs.get("dtype", "auto"),
+                **(runner_options or {}),
             )
+            self.runner.warmup()  # a no-op unless it compiles (a real TPU)
 
     # -- workers ------------------------------------------------------------------------------------------
     def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
@@ -145,12 +153,12 @@ class EmbeddedEngine(PromptEncoder):
             "emulated": emulated,
         }
 
-    async def _step(self, batch) -> tuple[torch.Tensor, dict]:
-        """(logits, prompt logprobs) of one step: from the in-process runner, or rank 0 of the group."""
+    async def _step(self, batch, need_logits: bool) -> StepResult:
+        """One step's StepResult: from the in-process runner, or rank 0 of the group."""
         if self.runner is not None:
-            result = await asyncio.to_thread(self.runner.step, batch)
+            result = await asyncio.to_thread(self.runner.step, batch, need_logits)
         elif self.group is not None:
-            result = (await asyncio.gather(*self.group.call("step", batch)))[0]
+            result = (await asyncio.gather(*self.group.call("step", batch, need_logits)))[0]
         else:
             raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
         assert result is not None  # rank 0 returns the logits
@@ -175,7 +183,7 @@ class EmbeddedEngine(PromptEncoder):
                 await asyncio.sleep(0.001)
                 continue
             try:
-                logits, prompt_lps = await self._step(batch)
+                result = await self._step(batch, sched.needs_logits(seqs))
             except Exception as e:  # a failed step fails its sequences, the engine keeps serving others
                 logger.exception("engine step failed")
                 self.error = e
@@ -183,7 +191,7 @@ class EmbeddedEngine(PromptEncoder):
                     sched.abort(seq)
                     seq.queue.put_nowait(e)
                 continue
-            sched.process(seqs, logits, prompt_lps)
+            sched.process(seqs, result.logits, result.prompt_logprobs, result.token_ids)
 
     # -- public API ---------------------------------------------------------------------------------------
     def grammar(self, schema: dict | None) -> Any:

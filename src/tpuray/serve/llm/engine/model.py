@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from tpuray.serve.llm.engine.kv_cache import KVCache
 
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -139,35 +141,23 @@ class ShardedLlama:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    @torch.no_grad()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        starts: torch.Tensor,
-        lengths: torch.Tensor,
-        slots: torch.Tensor,
-        cache: KVCache,
-        all_positions: bool = False,
-    ) -> torch.Tensor:
-        """Run B sequences of (right-padded) new tokens [B, T] starting at positions `starts` [B].
-
-        Writes their K/V into `cache` at `slots` and returns logits of each sequence's last new token
-        [B, V] (with `all_positions`, of every new token: [B, T, V]).
-        """
-        B, T = tokens.shape
-        H, KV, D = self.local_heads, self.local_kv_heads, self.head_dim
-        pos = starts[:, None] + torch.arange(T, device=self.device)[None, :]  # [B, T]
-        freqs = pos.float()[..., None] * self.inv_freq  # [B, T, D/2]
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [..., head_dim] of integer positions [...]."""
+        freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [B, 1, T, D]
-        valid = torch.arange(T, device=self.device)[None, :] < lengths[:, None]  # [B, T]
-        b_idx, t_idx = valid.nonzero(as_tuple=True)
-        w_slots, w_pos = slots[b_idx], pos[b_idx, t_idx]
-        L = int((starts + lengths).max())
-        key_pos = torch.arange(L, device=self.device)
-        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, L]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-        h = self.embed[tokens]
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, L, D] -> [B, heads, L, D] (grouped-query attention)."""
+        groups = self.local_heads // self.local_kv_heads
+        return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder stack over hidden states [B, T, hidden]; `attend(layer, q, k, v)` takes this
+        step's q [B, H, T, D] and k/v [B, KV, T, D] (RoPE applied), stores k/v and returns the attention
+        output [B, H, T, D]."""
+        B, T, _ = h.shape
+        H, KV, D = self.local_heads, self.local_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer["in_norm"])
             qkv = x @ layer["qkv"].T
@@ -176,13 +166,7 @@ class ShardedLlama:
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
             q = self._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
             k = self._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
-            v = v.view(B, T, KV, D).transpose(1, 2)
-            cache.write(i, w_slots, w_pos, k.transpose(1, 2)[b_idx, t_idx], v.transpose(1, 2)[b_idx, t_idx])
-            keys, values = cache.read(i, slots, L)
-            if KV != H:
-                keys = keys.repeat_interleave(H // KV, dim=1)
-                values = values.repeat_interleave(H // KV, dim=1)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            attn = attend(i, q, k, v.view(B, T, KV, D).transpose(1, 2))
             out = attn.transpose(1, 2).reshape(B, T, H * D) @ layer["o"].T
             if self.all_reduce is not None:
                 self.all_reduce(out)
@@ -193,7 +177,59 @@ class ShardedLlama:
             if self.all_reduce is not None:
                 self.all_reduce(out)
             h = h + out
-        if all_positions:
-            return self._rms(h, self.norm) @ self.lm_head.T
-        last = h[torch.arange(B, device=self.device), lengths - 1]
-        return self._rms(last, self.norm) @ self.lm_head.T
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._rms(h, self.norm) @ self.lm_head.T
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        segments: torch.Tensor,
+        slots: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: KVCache,
+        all_positions: bool = False,
+    ) -> torch.Tensor:
+        """Prompts packed in one row: token i of [T] is at `positions[i]` of sequence `segments[i]`, whose
+        K/V go to cache slot `slots[i]` (padding: a segment of its own, the trash slot). A token attends
+        to the earlier tokens of its own segment only. Returns the logits of the tokens at `last_index`
+        [P] (each prompt's last token): [P, vocab]; with `all_positions`, of every token: [T, vocab]."""
+        cos, sin = self._rope_tables(positions)  # [T, D]
+        same = segments[:, None] == segments[None, :]
+        mask = (same & (positions[None, :] <= positions[:, None]))[None, None]  # [1, 1, T, T]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            return F.scaled_dot_product_attention(q, self._expand_kv(k), self._expand_kv(v), attn_mask=mask)
+
+        h = self._layers(self.embed[tokens][None], cos, sin, attend)[0]  # [T, hidden]
+        return self._logits(h if all_positions else h[last_index])
+
+    @torch.no_grad()
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        context_len: int,
+    ) -> torch.Tensor:
+        """One new token per sequence: token [B] at `positions` [B] of cache slot `slots` [B], attending
+        to positions [0, context_len) of its slot (context_len > every position). Logits [B, vocab]."""
+        cos, sin = self._rope_tables(positions[:, None])  # [B, 1, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]
+        key_pos = torch.arange(context_len, device=positions.device)
+        mask = (key_pos[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, L]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(i, slots, positions, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.read(i, slots, context_len)
+            return F.scaled_dot_product_attention(
+                q, self._expand_kv(keys), self._expand_kv(values), attn_mask=mask
+            )
+
+        h = self._layers(self.embed[tokens][:, None], cos, sin, attend)
+        return self._logits(h[:, 0])

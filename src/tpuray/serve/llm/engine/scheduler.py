@@ -163,14 +163,42 @@ class Scheduler:
         eos = [] if params.ignore_eos else sorted(self.eos_ids)
         return [*eos, *params.stop_token_ids]
 
-    def process(self, seqs: list[Sequence], logits: torch.Tensor, prompt_lps: dict | None = None) -> None:
-        """Sample one token per sequence, record logprobs, emit outputs, retire finished sequences."""
-        tokens = sample_batch(
-            self._processed(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs]
-        )
+    def needs_logits(self, seqs: list[Sequence]) -> bool:
+        """Whether any sequence of the step samples from more than the argmax (temperature, penalties,
+        bias, masks, grammar, logprobs): only then does the step read the logits back from the chips."""
+        for s in seqs:
+            p = s.params
+            if (
+                p.temperature > 0.0
+                or p.logprobs is not None
+                or p.penalized
+                or p.logit_bias
+                or p.allowed_token_ids
+                or len(s.output_ids) < p.min_tokens
+                or s.matcher is not None
+            ):
+                return True
+        return False
+
+    def process(
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor | None,
+        prompt_lps: dict | None = None,
+        greedy: list[int] | None = None,
+    ) -> None:
+        """Sample one token per sequence (or take `greedy`, the device's argmax, where no logits were
+        read back), record logprobs, emit outputs, retire finished sequences."""
+        if logits is None:
+            assert greedy is not None, "a step without logits must carry the greedy tokens"
+            tokens = list(greedy)
+        else:
+            tokens = sample_batch(
+                self._processed(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs]
+            )
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         records = {}
-        if want:
+        if want and logits is not None:
             lp = torch.log_softmax(
                 logits[want].float(), dim=-1
             )  # the raw model distribution (vLLM's default)

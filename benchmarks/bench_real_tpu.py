@@ -1,0 +1,331 @@
+"""tpuray on a real TPU chip (issue 20): the serving engine compiled for XLA, training through tpuray's
+helpers vs raw torch_tpu, and the chip's bf16 matmul ceiling. One process, no Ray (a TPU VM runs it
+alone: see docs/real-tpu.md for the set-up).
+
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py engine     # the embedded engine, ~1B Llama
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
+    python3 benchmarks/bench_real_tpu.py engine --small --device cpu   # the script itself, on a CPU
+
+Prints one JSON line per measurement (and writes them to --out). Figures: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+V5E_HBM_BYTES_PER_S = 819e9
+V5E_BF16_FLOPS = 197e12
+RESULTS: list[dict] = []
+
+
+def report(name: str, **fields) -> None:
+    row = {"name": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def sync() -> None:
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+# -- the engine ------------------------------------------------------------------------------------------
+def write_llama(
+    path: Path, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int
+) -> int:
+    """A Llama-shaped checkpoint with random bf16 weights (speed only); returns its weight bytes."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    )
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    d = hidden // heads
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    state = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "lm_head.weight": w(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": w(heads * d, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * d, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * d, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * d),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    save_file(state, str(path / "model.safetensors"))
+    # the bytes a decode step reads: every weight except the embedding table (rows are gathered)
+    return sum(t.numel() * 2 for k, t in state.items() if k != "model.embed_tokens.weight")
+
+
+def decode_rate(runner, batch: int, steps: int, prompt_len: int = 32) -> float:
+    """Tokens/s of `steps` decode steps of `batch` sequences (after their prefill)."""
+    step = [(s, list(range(3, 3 + prompt_len)), 0, None) for s in range(batch)]
+    runner.step(step, need_logits=False)
+    pos = prompt_len
+    runner.step([(s, [7], pos, None) for s in range(batch)], need_logits=False)  # one untimed
+    start = time.perf_counter()
+    for i in range(steps):
+        runner.step([(s, [7 + i % 50], pos + 1 + i, None) for s in range(batch)], need_logits=False)
+    return batch * steps / (time.perf_counter() - start)
+
+
+class NumberTokenizer:
+    """Detokenizes ids as numbers: the bench's random-weight model has no tokenizer of its own."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
+def serve_mixed(runner, n_requests: int, max_num_seqs: int, max_model_len: int, seed: int = 0) -> dict:
+    """The engine's own loop (Scheduler: continuous batching) over requests of mixed prompt and output
+    lengths, greedy and sampled; counts the programs compiled while serving."""
+    import asyncio
+
+    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+
+    rng = random.Random(seed)
+    sched = Scheduler(NumberTokenizer(), {2}, max_num_seqs, max_model_len, max_prefill_tokens=max_model_len)
+    for i in range(n_requests):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, min(512, max_model_len - 64)))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 64), temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True
+        )
+        sched.add(Sequence(prompt, params, params.generator(), asyncio.Queue()))
+    before, steps, tokens, start = runner.compilations, 0, 0, time.perf_counter()
+    while sched.has_work():
+        seqs, batch = sched.schedule()
+        res = runner.step(batch, sched.needs_logits(seqs))
+        sched.process(seqs, res.logits, res.prompt_logprobs, res.token_ids)
+        steps += 1
+        tokens += len(seqs)
+    return dict(
+        requests=n_requests,
+        steps=steps,
+        tokens=tokens,
+        seconds=time.perf_counter() - start,
+        compilations_while_serving=runner.compilations - before,
+    )
+
+
+def bench_engine(args) -> None:
+    from tpuray.serve.llm.engine.runner import ModelRunner
+
+    if args.small:
+        dims = dict(hidden=256, layers=2, heads=8, kv_heads=2, inter=512, vocab=1024)
+    else:  # ~1.1B parameters, Llama-3.2-1B-like (head_dim 64, GQA 4:1)
+        dims = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=32000)
+    path = Path(tempfile.mkdtemp()) / "llama"
+    weight_bytes = write_llama(path, **dims)
+    max_model_len, max_num_seqs = args.max_model_len, 32
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        str(path),
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        dtype="bfloat16",
+        device=args.device,
+        compile=True if args.device == "tpu" else None,
+    )
+    load_s = time.perf_counter() - t0
+    built = runner.warmup()
+    report(
+        "engine_start",
+        params_bytes=weight_bytes,
+        load_s=load_s,
+        warmup_s=runner.warmup_s,
+        programs=built,
+        buckets=runner.buckets.num_programs,
+        compiled=runner.compiled,
+    )
+    roofline = V5E_HBM_BYTES_PER_S / weight_bytes
+    b1 = decode_rate(runner, 1, args.steps)
+    report(
+        "decode_batch1", tokens_per_s=b1, roofline_tokens_per_s=roofline, fraction_of_roofline=b1 / roofline
+    )
+    b32 = decode_rate(runner, 32, args.steps)
+    report("decode_batch32", tokens_per_s=b32, vs_batch1=b32 / b1)
+    prompt = list(range(3, 3 + min(512, max_model_len)))
+    runner.step([(0, prompt, 0, None)], need_logits=False)  # untimed
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        runner.step([(0, prompt, 0, None)], need_logits=False)
+        times.append(time.perf_counter() - t)
+    report("ttft", prompt_tokens=len(prompt), ms_median=sorted(times)[2] * 1e3)
+    report("serve_mixed", **serve_mixed(runner, args.requests, max_num_seqs, max_model_len))
+
+
+# -- training -------------------------------------------------------------------------------------------
+def timed(fn, iters: int) -> float:
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+def bench_matmul(device: torch.device) -> None:
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    compiled = torch.compile(lambda x, y: x @ y, backend="tpu" if device.type == "tpu" else "inductor")
+    for label, fn in (("eager", lambda: a @ b), ("compiled", lambda: compiled(a, b))):
+        s = timed(fn, 10)
+        flops = 2 * n**3 / s
+        report(f"matmul_bf16_{label}", tflops=flops / 1e12, fraction_of_peak=flops / V5E_BF16_FLOPS)
+
+
+class GPT(torch.nn.Module):
+    """nanoGPT-shaped decoder (pre-norm, GELU MLP, causal SDPA)."""
+
+    def __init__(self, d: int, layers: int, heads: int, vocab: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
+        self.norm, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+        self.register_buffer(
+            "mask", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+        for block in self.blocks:
+            h = block(h, src_mask=self.mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def bench_gpt(device: torch.device, via_tpuray: bool, compiled: bool, steps: int) -> None:
+    d, layers, heads, vocab, seq, batch = 1024, 8, 16, 32000, 512, 8
+    torch.manual_seed(0)
+    model = GPT(d, layers, heads, vocab, seq).to(torch.bfloat16)
+    if via_tpuray:
+        from tpuray.train.torch import get_device, prepare_model
+
+        device = get_device()
+        model = prepare_model(model)
+    else:
+        model = model.to(device)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, vocab, (batch, seq), device=device)
+
+    forward = (
+        torch.compile(model, backend="tpu" if device.type == "tpu" else "inductor") if compiled else model
+    )
+
+    def train_step():  # forward + backward compiled (AOTAutograd); the optimizer step stays eager
+        logits = forward(x)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab).float(), x.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    s = timed(train_step, steps)  # its first, untimed call compiles
+    flops = 6 * params * batch * seq / s
+    report(
+        "gpt_train_step",
+        via="tpuray" if via_tpuray else "raw",
+        compiled=compiled,
+        params=params,
+        ms=s * 1e3,
+        model_tflops=flops / 1e12,
+        fraction_of_peak=flops / V5E_BF16_FLOPS,
+    )
+
+
+def bench_seed_loop(device: torch.device, via_tpuray: bool, steps: int) -> None:
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    if via_tpuray:
+        from tpuray.train.torch import get_device, prepare_model
+
+        device, model = get_device(), prepare_model(model)
+    else:
+        model = model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 10, device=device), torch.randn(32, 1, device=device)
+
+    def step():
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    report("seed_loop_step", via="tpuray" if via_tpuray else "raw", ms=timed(step, steps) * 1e3)
+
+
+def bench_train(args) -> None:
+    device = torch.device(args.device)
+    parts = args.parts.split(",")
+    if "matmul" in parts:
+        bench_matmul(device)
+    if "seed" in parts:
+        for via in (False, True, False, True):  # alternated: the ratio is within one run
+            bench_seed_loop(device, via, 200)
+    for compiled in [c for c in (False, True) if ("gpt-compiled" if c else "gpt-eager") in parts]:
+        for via in (False, True):
+            bench_gpt(device, via, compiled, args.steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["engine", "train"])
+    ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
+    ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file")
+    args = ap.parse_args()
+    if args.device == "tpu":
+        from tpuray.runtime import activate
+
+        report("runtime", mode=activate())
+    (bench_engine if args.what == "engine" else bench_train)(args)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in RESULTS)
+
+
+if __name__ == "__main__":
+    main()

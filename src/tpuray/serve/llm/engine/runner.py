@@ -1,0 +1,181 @@
+"""Model execution: `ModelRunner`, one shard of the model with its KV cache and step programs.
+
+A step is a list of `(slot, new_token_ids, start_position, prompt_logprobs_n)`; prompts (several tokens)
+run as packed prefills and one-token sequences as a batched decode, padded to fixed shapes where the
+runner compiles (step_plan.py). Every rank runs the same step (the all_reduces pair up); rank 0 returns
+a `StepResult`, other ranks None. Imports neither Ray nor the serving layer (a TPU VM runs it alone).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tpuray.serve.llm.engine.logits import TokenLogprobs, token_logprobs
+from tpuray.serve.llm.engine.model import ShardedLlama
+from tpuray.serve.llm.engine.step_plan import Buckets, Step, decode_batches, pack_prefills
+
+PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of prompt tokens 1.. (echo)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
+
+
+@dataclass
+class StepResult:
+    """What rank 0 hands back for a step: the greedy token of every row (computed on the device, so a
+    greedy batch reads back only these ids), the rows' logits [rows, vocab] (float32, CPU) when the
+    scheduler asked for them (sampling, penalties, masks, logprobs), and prompt logprobs (echo)."""
+
+    token_ids: list[int]
+    logits: torch.Tensor | None = None
+    prompt_logprobs: PromptLogprobs = field(default_factory=dict)
+
+
+def _real_tpu(device: torch.device) -> bool:
+    from tpuray.runtime import is_emulated
+
+    return device.type == "tpu" and not is_emulated()
+
+
+class ModelRunner:
+    """One shard of the model, its KV cache and the step programs.
+
+    `compile` (default: on a real TPU) compiles the prefill and decode programs with torch.compile
+    (`dynamic=False`, torch_tpu's "tpu" backend on a TPU, `compile_backend` to choose another) for every
+    bucket in `warmup()`, so that serving never compiles again; steps are padded to the buckets
+    (step_plan.py). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
+    anyway: the compiled runner's inputs without the compiler)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        dtype: str = "auto",
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        all_reduce=None,
+        compile: bool | None = None,
+        compile_backend: str | None = None,
+        static_shapes: bool = False,
+    ):
+        self.model = ShardedLlama(path, rank, world_size, DTYPES[dtype], device, all_reduce)
+        self.rank = rank
+        self.device = self.model.device
+        self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
+        self.compiled = _real_tpu(self.device) if compile is None else compile
+        padded = self.compiled or static_shapes
+        self.buckets = (
+            Buckets.for_engine(max_num_seqs, max_model_len, max_model_len) if padded else Buckets.exact()
+        )
+        self.compilations = 0  # programs built by the compiler (warm-up included)
+        self.warmup_s = 0.0
+        self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._prefill_program
+        self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._decode_program
+        if self.compiled:
+            self._compile(compile_backend or ("tpu" if self.device.type == "tpu" else "inductor"))
+
+    # -- programs -----------------------------------------------------------------------------------------
+    def _prefill_program(self, tokens, positions, segments, slots, last_index):
+        logits = self.model.prefill(tokens, positions, segments, slots, last_index, self.cache)
+        return logits, logits.argmax(dim=-1)
+
+    def _decode_program(self, tokens, positions, slots, context_len: int):
+        logits = self.model.decode(tokens, positions, slots, self.cache, context_len)
+        return logits, logits.argmax(dim=-1)
+
+    def _compile(self, backend_name: str) -> None:
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.backends.registry import lookup_backend
+
+        backend = lookup_backend(backend_name)
+
+        def counting(gm, example_inputs, **kwargs):
+            self.compilations += 1
+            return backend(gm, example_inputs, **kwargs)
+
+        # one cache entry per bucket: raise Dynamo's recompile limits (default 8) above the bucket count
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * self.buckets.num_programs))
+        self._prefill = torch.compile(self._prefill_program, backend=counting, dynamic=False, fullgraph=True)
+        self._decode = torch.compile(self._decode_program, backend=counting, dynamic=False, fullgraph=True)
+
+    def warmup(self) -> int:
+        """Run (and so compile) every bucket's program once on padding; returns the programs compiled.
+        A no-op without `compile`."""
+        if not self.compiled:
+            return 0
+        start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
+        b = self.buckets
+        # distinct tensors per argument, as in serving (Dynamo guards on aliasing between inputs)
+        for T in b.tokens:
+            p = pack_prefills([(trash, [0] * T, 0, None)], [0], b, trash)[0]
+            args = (p.tokens, p.positions, torch.full((T,), -1), p.slots, p.last_index)
+            self._prefill(*(t.to(self.device) for t in args))[1].cpu()
+        for B in b.batch:
+            d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
+            for L in b.context:
+                self._decode(
+                    d.tokens.to(self.device), d.positions.to(self.device), d.slots.to(self.device), L
+                )[1].cpu()
+        self.warmup_s = time.perf_counter() - start
+        return self.compilations - before
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def _collect(self, rows, out, greedy, logits, ids) -> None:
+        n = len(rows)
+        if self.rank != 0:
+            return
+        for i, token in zip(rows, ids[:n].tolist(), strict=True):
+            greedy[i] = token
+        if out is not None:
+            out[rows] = logits[:n].float().cpu()
+
+    def step(self, batch: Step, need_logits: bool = True) -> StepResult | None:
+        """Rank 0: the StepResult of the batch (rows in batch order); other ranks: None. Every rank runs
+        the same programs (their all_reduces pair up)."""
+        echo = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is not None]
+        prefill = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is None]
+        decode = [i for i, (_, ids, _, _) in enumerate(batch) if len(ids) == 1]
+        greedy = [0] * len(batch)
+        out = torch.empty(len(batch), self.model.vocab_size) if need_logits or echo else None
+        dev, trash = self.device, self.cache.trash_slot
+        for p in pack_prefills(batch, prefill, self.buckets, trash):
+            args = (p.tokens, p.positions, p.segments, p.slots, p.last_index)
+            self._collect(p.rows, out, greedy, *self._prefill(*(t.to(dev) for t in args)))
+        for d in decode_batches(batch, decode, self.buckets, trash):
+            logits, ids = self._decode(d.tokens.to(dev), d.positions.to(dev), d.slots.to(dev), d.context_len)
+            self._collect(d.rows, out, greedy, logits, ids)
+        prompt_lps = {i: self._echo(batch[i], i, out, greedy) for i in echo}
+        if self.rank != 0:
+            return None
+        if echo and not need_logits:
+            out = None
+        return StepResult(greedy, out, {i: lp for i, lp in prompt_lps.items() if lp is not None})
+
+    def _echo(self, row, i: int, out, greedy) -> list[TokenLogprobs] | None:
+        """A prompt whose every token's logprobs were asked for (echo): one eager pass of its own (the
+        compiled programs return only last-token logits)."""
+        slot, ids, start, n = row
+        p = pack_prefills([row], [0], Buckets.exact(), self.cache.trash_slot)[0]
+        dev = self.device
+        logits = self.model.prefill(
+            p.tokens.to(dev),
+            p.positions.to(dev),
+            p.segments.to(dev),
+            p.slots.to(dev),
+            p.last_index.to(dev),
+            self.cache,
+            all_positions=True,
+        )
+        if self.rank != 0:
+            return None
+        full = logits.float().cpu()
+        out[i], greedy[i] = full[-1], int(full[-1].argmax())
+        return token_logprobs(torch.log_softmax(full[:-1], dim=-1), ids[1:], [n or 0] * (len(ids) - 1))

@@ -1,0 +1,165 @@
+"""Fixed-shape step inputs: the embedded engine's step, padded to a few bucket sizes.
+
+XLA compiles one program per input shape, so a step whose tensors take the exact size of the batch
+(every new prompt length, every batch size, every context length) compiles again and again. Here a step
+becomes at most a few programs of known shapes:
+
+* prefill: the step's prompts packed into one row of `T` tokens (T from `Buckets.tokens`), each token
+  tagged with its sequence (segment), its position and its cache slot; at most `Buckets.prefill_seqs`
+  prompts per pack, their last tokens' indices padded to that many;
+* decode: one token per running sequence, the batch padded to `B` (from `Buckets.batch`) and attention
+  over the first `L` cache positions (from `Buckets.context`).
+
+Padding rows are harmless by construction: they write to the KV cache's trash slot and attend only to
+padding. With `Buckets.exact()` (the CPU default) every size is the exact one: the same code, no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Step = list[
+    tuple[int, list[int], int, int | None]
+]  # (slot, new token ids, start position, prompt logprobs n)
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2*lo, 4*lo, ... up to and including hi (hi itself last even if not a power of two)."""
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, hi)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The padded sizes a step is compiled for (empty tuples: exact sizes, nothing padded)."""
+
+    batch: tuple[int, ...] = ()
+    """decode batch sizes"""
+    tokens: tuple[int, ...] = ()
+    """prefill pack lengths (tokens of all packed prompts together)"""
+    context: tuple[int, ...] = ()
+    """decode attention lengths (cache positions read per sequence)"""
+    prefill_seqs: int = 0
+    """prompts per prefill pack (0: as many as fit)"""
+
+    @classmethod
+    def exact(cls) -> Buckets:
+        return cls()
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int) -> Buckets:
+        """Powers of two: batch 1..max_num_seqs, packs 16..max_prefill_tokens tokens, context lengths
+        from 256 up by 4x to max_model_len; up to 8 prompts per pack."""
+        context, n = [], min(256, max_model_len)
+        while n < max_model_len:
+            context.append(n)
+            n *= 4
+        return cls(
+            batch=powers_of_two(1, max_num_seqs),
+            tokens=powers_of_two(min(16, max_prefill_tokens), max_prefill_tokens),
+            context=(*context, max_model_len),
+            prefill_seqs=min(8, max_num_seqs),
+        )
+
+    @property
+    def padded(self) -> bool:
+        return bool(self.batch)
+
+    @property
+    def num_programs(self) -> int:
+        """Programs a compiled runner builds at warm-up: one per prefill length, one per decode shape."""
+        return len(self.tokens) + len(self.batch) * len(self.context)
+
+    @staticmethod
+    def pick(n: int, sizes: tuple[int, ...]) -> int:
+        """The smallest size >= n (n itself when `sizes` is empty)."""
+        for size in sizes:
+            if size >= n:
+                return size
+        if sizes:
+            raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+        return n
+
+
+@dataclass
+class PrefillPack:
+    rows: list[int]  # the step's batch indices, in pack order
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    segments: torch.Tensor  # [T]: index into rows; padding: -1
+    slots: torch.Tensor  # [T]: cache slot of each token; padding: the trash slot
+    last_index: torch.Tensor  # [P]: each prompt's last token in the pack; padding: 0
+
+
+@dataclass
+class DecodeBatch:
+    rows: list[int]
+    tokens: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B]; padding: the trash slot
+    context_len: int  # L: cache positions read
+
+
+def pack_prefills(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> list[PrefillPack]:
+    """Packs of the prompts at `rows` (in order), each within the largest token bucket and
+    `prefill_seqs` prompts."""
+    max_tokens = buckets.tokens[-1] if buckets.tokens else None
+    packs: list[list[int]] = []
+    used = 0
+    for i in rows:
+        n = len(batch[i][1])
+        full = packs and (
+            (max_tokens is not None and used + n > max_tokens)
+            or (buckets.prefill_seqs and len(packs[-1]) >= buckets.prefill_seqs)
+        )
+        if not packs or full:
+            packs.append([])
+            used = 0
+        packs[-1].append(i)
+        used += n
+    return [_pack(batch, pack, buckets, trash_slot) for pack in packs]
+
+
+def _pack(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> PrefillPack:
+    total = sum(len(batch[i][1]) for i in rows)
+    T = Buckets.pick(total, buckets.tokens)
+    P = buckets.prefill_seqs if buckets.padded else len(rows)
+    tokens = torch.zeros(T, dtype=torch.long)
+    positions = torch.zeros(T, dtype=torch.long)
+    segments = torch.full((T,), -1, dtype=torch.long)
+    slots = torch.full((T,), trash_slot, dtype=torch.long)
+    last = torch.zeros(P, dtype=torch.long)
+    at = 0
+    for seg, i in enumerate(rows):
+        slot, ids, start, _ = batch[i]
+        n = len(ids)
+        tokens[at : at + n] = torch.tensor(ids, dtype=torch.long)
+        positions[at : at + n] = torch.arange(start, start + n)
+        segments[at : at + n] = seg
+        slots[at : at + n] = slot
+        last[seg] = at + n - 1
+        at += n
+    return PrefillPack(rows, tokens, positions, segments, slots, last)
+
+
+def decode_batches(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> list[DecodeBatch]:
+    """The one-token sequences at `rows` in batches of at most the largest batch bucket."""
+    limit = buckets.batch[-1] if buckets.batch else max(len(rows), 1)
+    out = []
+    for lo in range(0, len(rows), limit):
+        chunk = rows[lo : lo + limit]
+        B = Buckets.pick(len(chunk), buckets.batch)
+        tokens = torch.zeros(B, dtype=torch.long)
+        positions = torch.zeros(B, dtype=torch.long)
+        slots = torch.full((B,), trash_slot, dtype=torch.long)
+        for j, i in enumerate(chunk):
+            slot, ids, start, _ = batch[i]
+            tokens[j], positions[j], slots[j] = ids[0], start, slot
+        context = Buckets.pick(int(positions.max()) + 1, buckets.context)
+        out.append(DecodeBatch(chunk, tokens, positions, slots, context))
+    return out

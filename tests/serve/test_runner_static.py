@@ -1,0 +1,109 @@
+"""The embedded engine's fixed-shape step (what XLA needs on a real TPU), checked on CPU: padded steps give
+the exact steps' results, and a compiled runner builds all its programs at warm-up and none afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from tpuray.serve.llm import LLMConfig
+from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+from tpuray.serve.llm.engine.runner import ModelRunner
+from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills, powers_of_two
+
+
+def test_buckets_pick_and_pack():
+    assert powers_of_two(1, 8) == (1, 2, 4, 8) and powers_of_two(16, 100) == (16, 32, 64, 100)
+    b = Buckets.for_engine(max_num_seqs=6, max_model_len=2048, max_prefill_tokens=2048)
+    assert b.batch == (1, 2, 4, 6) and b.context == (256, 1024, 2048) and b.tokens[-1] == 2048
+    assert Buckets.pick(5, b.batch) == 6 and Buckets.pick(7, ()) == 7
+    with pytest.raises(ValueError, match="exceeds the largest bucket 6"):
+        Buckets.pick(7, b.batch)
+    step = [(i, list(range(1, 700)), 0, None) for i in range(4)]  # 4 prompts of 699 tokens
+    packs = pack_prefills(step, [0, 1, 2, 3], b, trash_slot=6)
+    assert [p.rows for p in packs] == [[0, 1], [2, 3]]  # 2 x 699 fits 2048, a third does not
+    p = packs[0]
+    assert p.tokens.shape == (2048,) and p.last_index.tolist()[:3] == [698, 1397, 0]
+    assert p.slots[1398:].eq(6).all() and p.segments[1398:].eq(-1).all()
+    d = decode_batches([(3, [9], 300, None)], [0], b, trash_slot=6)[0]
+    assert d.tokens.shape == (1,) and d.context_len == 1024
+
+
+def _random_steps(seed: int, n: int = 12):
+    """Steps of a small workload: prompts of 1..40 tokens joining while others decode."""
+    rng = random.Random(seed)
+    free, running, steps = list(range(4)), {}, []
+    for _ in range(n):
+        step = [(slot, [rng.randrange(3, 200)], pos, None) for slot, pos in running.items()]
+        while free and rng.random() < 0.6:
+            slot, ids = free.pop(), [rng.randrange(3, 200) for _ in range(rng.randrange(2, 40))]
+            step.append((slot, ids, 0, None))
+            running[slot] = len(ids) - 1
+        running = {s: p + 1 for s, p in running.items()}
+        if step:
+            steps.append(step)
+    return steps
+
+
+def test_padded_steps_equal_exact_steps(tiny_model_dir):
+    kw = dict(max_num_seqs=4, max_model_len=128, dtype="float32")
+    exact, padded = ModelRunner(tiny_model_dir, **kw), ModelRunner(tiny_model_dir, static_shapes=True, **kw)
+    assert padded.buckets.padded and not exact.buckets.padded
+    for step in _random_steps(0):
+        a, b = exact.step(step), padded.step(step)
+        assert a is not None and b is not None and a.logits is not None and b.logits is not None
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+        assert a.token_ids == b.token_ids == a.logits.argmax(-1).tolist()
+    greedy_only = padded.step(_random_steps(1)[0], need_logits=False)
+    assert greedy_only is not None and greedy_only.logits is None and greedy_only.token_ids
+
+
+def _engine(model_dir: str, **runner_options) -> EmbeddedEngine:
+    cfg = LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": model_dir},
+        llm_engine="embedded",
+        engine_kwargs={"max_model_len": 128, "max_num_seqs": 4, "dtype": "float32"},
+    )
+    return EmbeddedEngine(cfg, runner_options=runner_options)
+
+
+def _serve(engine: EmbeddedEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    async def one(ids, params):
+        out: list[int] = []
+        async for chunk in engine.generate(ids, params):
+            out += chunk.token_ids
+        return out
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(ids, p) for ids, p in requests))
+
+    return asyncio.run(all_of_them())
+
+
+def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
+    rng = random.Random(7)
+    requests = []
+    for i in range(40):  # mixed prompt and output lengths, greedy and sampled, more than max_num_seqs
+        ids = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))]
+        temp = 0.0 if i % 3 else 0.8
+        requests.append((ids, SamplingParams(max_tokens=rng.randrange(1, 40), temperature=temp, seed=i)))
+    compiled = _engine(tiny_model_dir, compile=True, compile_backend="eager")
+    try:
+        runner = compiled.runner
+        assert runner is not None and runner.compiled
+        after_warmup = runner.compilations
+        assert after_warmup == runner.buckets.num_programs  # every program built before serving
+        got = _serve(compiled, requests)
+        assert runner.compilations == after_warmup  # 0 compilations while serving
+    finally:
+        compiled.shutdown()
+    eager = _engine(tiny_model_dir)
+    try:
+        assert eager.runner is not None and not eager.runner.compiled and eager.runner.compilations == 0
+        assert _serve(eager, requests) == got  # the same tokens, seeded sampling included
+    finally:
+        eager.shutdown()
