@@ -31,7 +31,7 @@ from tpuray.serve.llm.protocol import (
     usage,
 )
 from tpuray.serve.llm.replica import EngineBackend
-from tpuray.serve.llm.responses import LogprobFormatter
+from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,11 @@ class ModelServer(EngineBackend):
         completion_tokens = sum(c.completion_tokens for c in results)
         return sorted(results, key=lambda c: c.choice), _prompt_tokens(jobs), completion_tokens
 
-    def _completion_logprobs(self, req: CompletionRequest, job: Job, records, prompt_records, offset=0):
+    def _completion_logprobs(self, req: CompletionRequest, job: Job, records, prompt_records, offsets=None):
         if req.logprobs is None:
-            return None, offset
+            return None, offsets
         prompt = job.prompt_ids if req.echo and prompt_records is not None else None
-        return self.formatter.completion(records, offset, prompt, prompt_records)
+        return self.formatter.completion(records, offsets, prompt, prompt_records)
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self._check_model(req)
@@ -283,7 +283,7 @@ class ModelServer(EngineBackend):
             "model": self.model_id,
         }
         echoed: set[int] = set()
-        offsets = {j.choice: 0 for j in jobs}
+        offsets: dict[int, TextOffsets | None] = {j.choice: None for j in jobs}
         sent: dict[int, int] = {}
         async for index, out in self._stream_all(jobs):
             if index < 0:
