@@ -30,6 +30,7 @@ from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
 from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
 from tpuray.serve.llm.replica import EngineBackend
+from tpuray.serve.llm.request_checks import check_body
 
 DONE = "data: [DONE]\n\n"
 
@@ -168,6 +169,7 @@ class VLLMServer(EngineBackend):
             raise OpenAIError(
                 f"model `{self.model_id}` does not serve {endpoint}; it serves text generation", param="model"
             )
+        body = check_body(endpoint, body)
         strict_check(endpoint, body)
         try:
             return await method(parse_request(cls, body), None)

@@ -181,6 +181,9 @@ class Scheduler:
                 continue
             if prompt_lps and i in prompt_lps:
                 seq.prompt_logprobs = prompt_lps[i]
+            if seq.params.max_tokens == 0:  # the prompt alone (echo): its prefill ran, nothing is generated
+                self._emit(seq, "length")
+                continue
             reason = None
             if token in seq.params.stop_token_ids or (token in self.eos_ids and not seq.params.ignore_eos):
                 reason = "stop"
