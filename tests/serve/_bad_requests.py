@@ -20,6 +20,9 @@ BAD_ON_BOTH = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
     ("chat", {"stop": "\udc00"}, "stop"),
     ("tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("detokenize", {"tokens": [1, 1.5]}, "tokens.1"),
+    ("detokenize", {"tokens": ["5"]}, "tokens.0"),
+    ("detokenize", {"tokens": [True]}, "tokens.0"),
     ("completions", {"stop": FIVE}, "stop"),
     ("chat", {"stop": FIVE}, "stop"),
     ("completions", {"seed": 2**70}, "seed"),
@@ -27,7 +30,6 @@ BAD_ON_BOTH = [
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
-    ("chat", {"tools": [TOOL]}, "tools"),  # tool_choice 'auto' (the default with tools) needs a tool parser
 ]  # fmt: skip
 
 OK_ON_BOTH = [
@@ -43,6 +45,8 @@ OK_ON_BOTH = [
     ("completions", {"seed": 2**63 - 1}),
     ("chat", {"seed": -(2**63)}),
     ("completions", {"echo": True, "max_tokens": 0, "logprobs": 1}),
+    ("detokenize", {"tokens": [1, 2]}),
+    ("tokenize", {"prompt": "x", "add_special_tokens": None}),
 ]  # fmt: skip
 
 

@@ -12,8 +12,10 @@ import httpx
 import pytest
 from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, ascii_json, body
 from _configs import in_process_server
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from tpuray.serve.llm.request_checks import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
 
 
@@ -91,15 +93,13 @@ EMBEDDED_BAD = [
     ("chat", {"messages": [{"role": "user", "content": ["x"]}]}, "messages.0.content.0"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}]}, "messages.0.content.0.extra"),
     ("tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
-    ("detokenize", {"tokens": [1.5]}, "tokens.0"),
-    ("detokenize", {"tokens": ["5"]}, "tokens.0"),
-    ("detokenize", {"tokens": [True]}, "tokens.0"),
     ("detokenize", {"tokens": [-1]}, "tokens"),
     ("tokenize", {"prompt": 5}, "prompt"),
     ("chat", {"tools": []}, "tools"),
     ("chat", {"tools": [{"type": "function", "function": {"name": 5}}], "tool_choice": "none"}, "tools.0.function.name"),
     ("chat", {"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools.0.type"),
     ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ("chat", {"tools": [TOOL]}, "tools"),  # tool_choice 'auto' (the default with tools) needs a tool parser
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"echo": True, "max_tokens": 0, "messages": [{"role": "assistant", "content": "x"}]}, "max_tokens"),
     ("completions", {"prompt": "word " * 100_000}, "prompt"),  # refused before tokenizing
@@ -121,7 +121,8 @@ def test_bad_requests_are_400s_naming_the_param(server, endpoint, fields, param)
 def test_honoured_on_both_engines(server, endpoint, fields):
     result = answer(server, endpoint, fields)
     assert isinstance(result, dict), (fields, result)
-    assert result["choices"] and result["usage"]["prompt_tokens"] > 0
+    if endpoint in ("completions", "chat"):
+        assert result["choices"] and result["usage"]["prompt_tokens"] > 0
 
 
 def test_echo_with_max_tokens_0_is_the_prompt_and_its_logprobs(server):
@@ -194,7 +195,12 @@ def app(emulated_cluster, tiny_model_dir):
         serve.shutdown()
 
 
-ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize"}
+ROUTES = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
 JSON = {"Content-Type": "application/json"}
 
 
@@ -202,7 +208,7 @@ def test_http_answers_of_both_engines(app):
     """The same list test_vllm.py sends to vLLM: 400s naming the param (streamed too), 200s."""
     with httpx.Client(base_url=app, headers=JSON, timeout=120) as http:
         for endpoint, fields, param in BAD_ON_BOTH:
-            for stream in (False, True) if endpoint != "tokenize" else (False,):
+            for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
                 req = body("tiny", endpoint, fields) | ({"stream": True} if stream else {})
                 r = http.post(ROUTES[endpoint], content=ascii_json(req))
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
@@ -232,3 +238,58 @@ def test_http_malformed_bodies_are_400s_and_large_ones_413s_without_stalling_oth
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
     _run(go())
+
+
+# -- fuzz: whatever the JSON, the answer is a response or an OpenAIError (never another exception) ----------
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=4)
+    | st.sampled_from(["\ud800", "text", "none", "auto", "json_object", "user", "function", "-1"])
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+_FIXED = {"model", "n", "max_tokens", "max_completion_tokens", "min_tokens", "best_of", "ignore_eos"}
+
+
+def _fields(cls) -> list[str]:
+    return sorted(set(cls.model_fields) | set(cls.VLLM_ONLY) - _FIXED)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    endpoint=st.sampled_from(["completions", "chat", "tokenize", "detokenize"]),
+    data=st.data(),
+)
+def test_fuzzed_fields_never_raise_anything_but_openai_errors(server, endpoint, data):
+    names = {
+        "completions": _fields(CompletionRequest),
+        "chat": _fields(ChatCompletionRequest) + ["messages"],
+        "tokenize": [
+            "prompt",
+            "messages",
+            "add_special_tokens",
+            "add_generation_prompt",
+            "return_token_strs",
+        ],
+        "detokenize": ["tokens"],
+    }[endpoint]
+    extra = data.draw(st.dictionaries(st.sampled_from(names), _JSON, max_size=3))
+    if endpoint == "chat" and data.draw(st.booleans()):  # messages with fuzzed parts
+        message = data.draw(st.dictionaries(st.sampled_from(["role", "content", "name"]), _JSON, max_size=3))
+        extra["messages"] = [message]
+    stream = endpoint in ("completions", "chat") and data.draw(st.booleans())
+    result = answer(server, endpoint, extra, stream)
+    if isinstance(result, OpenAIError):
+        assert result.status in (400, 404), result.body()

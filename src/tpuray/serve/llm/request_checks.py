@@ -10,6 +10,7 @@ so both engines give the same answer wherever both can honour a field:
 | a top-level field that is `null` | unset (its default), as OpenAI's clients send it and vLLM's types read it |
 | text that is not valid Unicode (a lone surrogate such as `"\\ud800"`) anywhere in the body | 400 naming the field |
 | `messages[i].role` outside OpenAI's roles (ROLES) | 400 naming `messages.i.role` |
+| `/detokenize` `tokens` that are not integers (`1.5`, `"5"`, `true`) | 400 naming `tokens.i` (vLLM's types would coerce them) |
 | `stop` with more than MAX_STOP strings | 400 naming `stop` (OpenAI's and vLLM's limit) |
 | `seed` outside a signed 64-bit integer | 400 naming `seed` (vLLM's limit; torch's generators are 64-bit) |
 | `max_tokens: 0` / `max_completion_tokens: 0` | honoured only on completions with `echo` (the prompt alone, vLLM's scoring mode); else 400 |
@@ -135,6 +136,15 @@ def check_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     body = {k: v for k, v in body.items() if v is not None}
     if endpoint in ("chat", "tokenize"):
         _check_roles(body.get("messages"))
+    tokens = body.get("tokens")
+    if endpoint == "detokenize" and isinstance(tokens, list):
+        bad = next((i for i, t in enumerate(tokens) if not _int(t)), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"'tokens' must be integer token ids; tokens[{bad}] is {tokens[bad]!r}",
+                param=f"tokens.{bad}",
+                code="invalid_value",
+            )
     if endpoint not in ("completions", "chat"):
         return body
     stop = body.get("stop")
