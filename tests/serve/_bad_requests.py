@@ -38,6 +38,7 @@ OK_ON_BOTH = [
     ("chat", {"max_tokens": None, "n": None, "logprobs": None, "top_logprobs": None, "tool_choice": None}),
     ("chat", {"response_format": None, "stream_options": None, "seed": None, "stop": None, "tools": None}),
     ("chat", {"messages": [{"role": "developer", "content": "be brief"}, *MSG]}),
+    ("chat", {"messages": [*MSG, {"role": "function", "name": "f", "content": "42"}]}),
     ("chat", {"messages": [*MSG, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]}),
     ("chat", {"messages": [{"role": "system", "content": [{"type": "text", "text": "a"}]}, *MSG]}),
     ("chat", {"tools": [TOOL], "tool_choice": "none"}),

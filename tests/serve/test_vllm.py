@@ -275,6 +275,25 @@ def test_vllm_answers_like_the_embedded_engine(app):
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
         r = http.post("/v1/completions", json={"model": TP1, "prompt": "x" * 10_000_000})
         assert r.status_code == 413, r.text
+        # echo with max_tokens 0: the prompt and its logprobs, no completion token (as the embedded engine)
+        echo = {"model": TP1, "prompt": "Hello world", "echo": True, "max_tokens": 0, "logprobs": 1}
+        r = http.post("/v1/completions", json=echo).json()
+        assert (
+            r["choices"][0]["text"] == "Hello world"
+            and r["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        )
+        n_prompt = len(r["choices"][0]["logprobs"]["tokens"])
+        usage = r["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            n_prompt,
+            0,
+            n_prompt,
+        )
+        stream = echo | {"stream": True, "stream_options": {"include_usage": True}}
+        events = [
+            line[6:] for line in http.post("/v1/completions", json=stream).text.splitlines() if line[6:]
+        ]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 0
 
 
 def test_greedy_tokens_equal_transformers_on_tp4_and_tp1(client, hf):
