@@ -95,7 +95,7 @@ def test_message_name_reaches_the_chat_template(server):
     req = parse_request(ChatCompletionRequest, {"model": "named", "messages": messages})
     # the engine's prompt encoder, the chat path (its jobs' prompt), /tokenize and a real chat request
     assert tok.decode(server.engine.apply_chat_template(template_messages(req.messages))) == expected
-    (job,) = server._chat_jobs(req)
+    (job,) = _run(server._chat_jobs(req))
     assert tok.decode(job.prompt_ids) == expected
     tokens = _run(server.handle("tokenize", {"messages": messages}))["tokens"]
     assert tokens == job.prompt_ids
@@ -169,7 +169,7 @@ def test_chat_generation_prompt_continue_final_message_echo_and_template_kwargs(
 
     def prompt(**fields) -> str:
         req = parse_request(ChatCompletionRequest, {"model": "named", **fields})
-        return tok.decode(server._chat_jobs(req)[0].prompt_ids)
+        return tok.decode(_run(server._chat_jobs(req))[0].prompt_ids)
 
     turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ab"}]
     assert prompt(messages=turn).endswith("ab<|im_end|>\n<|im_start|>assistant\n")

@@ -14,6 +14,7 @@ from _schemas import PERSON
 
 from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
 from tpuray.serve.llm.engine.sampling import _min_p, _top_k
+from tpuray.serve.llm.responses import string_bytes
 
 V = 50
 
@@ -127,7 +128,8 @@ def test_completion_logprobs_and_echo_equal_transformers(server, tiny_model_dir)
         assert abs(lp["token_logprobs"][pos] - ref[pos - 1, prompt[pos]].item()) < 1e-4
     generated = lp["token_logprobs"][n_prompt:]
     assert len(generated) == 6 and len(lp["tokens"]) == n_prompt + 6 == len(lp["text_offset"])
-    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][n_prompt] == len("Hello world")
+    text = b"".join(string_bytes(t) for t in lp["tokens"]).decode("utf-8", errors="replace")  # bytes:\xNN too
+    assert text == choice["text"] and lp["text_offset"][n_prompt] == len("Hello world")
     assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])
 
 

@@ -403,7 +403,7 @@ BAD_REQUESTS = [
     (CH, {"verbosity": "low"}, "verbosity"),
     (CH, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages.0.extra"),
     (CH, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content.0.type"),
     (CH, {"stream": 1}, "stream"),
     *[(path, {field: value}, field) for path, field, value in VLLM_REFUSED],  # vLLM-only fields
 ]  # fmt: skip

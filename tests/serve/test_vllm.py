@@ -253,6 +253,49 @@ def test_bad_requests_to_vllm_are_400s_naming_the_param(app, endpoint, fields, p
     assert ok.status_code == 200, ok.text  # the server keeps serving
 
 
+def test_vllm_answers_like_the_embedded_engine(app):
+    """request_checks.py's rules (the list test_bad_input.py sends to the embedded engine): 400s naming
+    the param (streamed too), the same fields honoured, malformed bodies 400, a huge one 413."""
+    from _bad_requests import BAD_ON_BOTH, OK_ON_BOTH, ascii_json, body
+
+    routes = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+    routes |= {"tokenize": "/tokenize", "detokenize": "/detokenize"}
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=app[0], headers=headers, timeout=120) as http:
+        for endpoint, fields, param in BAD_ON_BOTH:
+            for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
+                req = body(TP1, endpoint, fields) | ({"stream": True} if stream else {})
+                r = http.post(routes[endpoint], content=ascii_json(req))
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        for endpoint, fields in OK_ON_BOTH:
+            r = http.post(routes[endpoint], content=ascii_json(body(TP1, endpoint, fields)))
+            assert r.status_code == 200, (fields, r.text)
+        for raw in (b'{"model": "tiny-tp1", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100_000):
+            r = http.post("/v1/completions", content=raw)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        r = http.post("/v1/completions", json={"model": TP1, "prompt": "x" * 10_000_000})
+        assert r.status_code == 413, r.text
+        # echo with max_tokens 0: the prompt and its logprobs, no completion token (as the embedded engine)
+        echo = {"model": TP1, "prompt": "Hello world", "echo": True, "max_tokens": 0, "logprobs": 1}
+        r = http.post("/v1/completions", json=echo).json()
+        assert (
+            r["choices"][0]["text"] == "Hello world"
+            and r["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        )
+        n_prompt = len(r["choices"][0]["logprobs"]["tokens"])
+        usage = r["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            n_prompt,
+            0,
+            n_prompt,
+        )
+        stream = echo | {"stream": True, "stream_options": {"include_usage": True}}
+        events = [
+            line[6:] for line in http.post("/v1/completions", json=stream).text.splitlines() if line[6:]
+        ]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 0
+
+
 def test_greedy_tokens_equal_transformers_on_tp4_and_tp1(client, hf):
     """Token for token (text can differ at the end: vLLM holds back an incomplete UTF-8 sequence)."""
     _, tok = hf

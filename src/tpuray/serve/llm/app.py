@@ -29,6 +29,7 @@ from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
 from tpuray.serve.llm.protocol import OpenAIError
 from tpuray.serve.llm.replica import LLMServer
+from tpuray.serve.llm.request_checks import read_json
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -213,14 +214,8 @@ class LLMRouter:
     async def post(self, request: Request):
         self._authorize(request)
         endpoint = ROUTES[request.scope["route"].path]
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise OpenAIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(
-                f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
-            )
+        # size and nesting bounded before parsing; a large body parsed off the event loop
+        body = await read_json(request.stream(), request.headers.get("content-length"))
         backend = self._backend(body.get("model"), endpoint)
         if body.get("stream") is not True:
             result = await backend.call(endpoint, body)

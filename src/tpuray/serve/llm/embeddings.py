@@ -14,6 +14,7 @@ from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
 from tpuray.serve.llm.protocol import EmbeddingRequest, OpenAIError, model_card, now, parse_request, usage
+from tpuray.serve.llm.request_checks import check_body
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -84,7 +85,7 @@ class EmbeddingModel:
                 f"model `{self.config.model_id}` does not support {endpoint}; it serves embeddings",
                 param="model",
             )
-        req = parse_request(EmbeddingRequest, body)
+        req = parse_request(EmbeddingRequest, check_body(endpoint, body))
         if req.model != self.config.model_id:
             raise OpenAIError(
                 f"The model `{req.model}` does not exist.", 404, param="model", code="model_not_found"

@@ -119,7 +119,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (the prompt alone)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
@@ -219,6 +219,10 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(
+                "'max_tokens' must be at least 1 (0, the prompt alone, only with echo)", param="max_tokens"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(
                 f"best_of={self.best_of} is not supported by the embedded engine (valid: best_of == n, "
@@ -236,25 +240,68 @@ class CompletionRequest(_Request):
         return [x for x in p if isinstance(x, (str, list))]
 
 
+class TextPart(BaseModel):
+    """A content part of a chat message: the served models read text parts only."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+def check_content_parts(messages: Any) -> None:
+    """A 400 naming the first content part of `messages` (raw JSON) that is not a text part."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            where = f"messages.{i}.content.{j}"
+            if not isinstance(part, dict):
+                raise OpenAIError(f"'{where}' must be a content part object, got {part!r}", param=where)
+            if part.get("type") != "text":
+                raise OpenAIError(
+                    f"content part type {part.get('type')!r} is not supported by the embedded engine (the "
+                    "served models are text-only); valid: 'text'",
+                    param=f"{where}.type",
+                )
+            if not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    f"'{where}.text' must be a string, got {part.get('text')!r}", param=f"{where}.text"
+                )
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise OpenAIError(
+                    f"'{where}.{extra[0]}' is not a field of a text content part", param=f"{where}.{extra[0]}"
+                )
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    # OpenAI's roles (request_checks.ROLES names a bad one first, on both engines)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template with the message (as vLLM does)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise OpenAIError(
-                    f"content part type {part.get('type')!r} is not supported; valid: 'text'",
-                    param="messages",
-                )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatCompletionRequest(_Request):
@@ -262,7 +309,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=LOGPROBS_MAX)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1)  # with tool_choice 'none': to the template
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
@@ -284,7 +331,6 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "tools": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
         "functions": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
         "function_call": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
         "parallel_tool_calls": "it only applies to tools, which this engine does not call",
@@ -307,8 +353,22 @@ class ChatCompletionRequest(_Request):
         "return_assistant_tokens_mask": (False, "the assistant tokens mask is not returned"),
     }
 
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_content_parts(data.get("messages"))
+        return data
+
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
+        if self.tools is not None and self.tool_choice != "none":
+            raise OpenAIError(
+                f"tools with tool_choice={self.tool_choice or 'auto'!r} need a tool parser, which the embedded "
+                f"engine does not have (valid: tool_choice 'none': the tools reach the chat template and no "
+                f"call is parsed); {NOT_IMPLEMENTED}",
+                param="tools",
+            )
         if self.tool_choice not in (None, "none"):
             raise OpenAIError(
                 f"tool_choice={self.tool_choice!r} is not supported by the embedded engine (valid: 'none'); "
@@ -325,6 +385,8 @@ class ChatCompletionRequest(_Request):
                 f"service_tier={self.service_tier!r}: there is one tier here; valid: 'auto', 'default'",
                 param="service_tier",
             )
+        if self.max_tokens == 0:
+            raise OpenAIError("'max_tokens' must be at least 1", param="max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -358,11 +420,19 @@ class EmbeddingRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion prompt or chat messages."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_content_parts(data.get("messages"))
+        return data
+
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -371,7 +441,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """vLLM's /detokenize."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]

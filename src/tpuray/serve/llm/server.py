@@ -10,6 +10,7 @@ vllm_server.py.)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
@@ -31,9 +32,12 @@ from tpuray.serve.llm.protocol import (
     usage,
 )
 from tpuray.serve.llm.replica import EngineBackend
-from tpuray.serve.llm.responses import LogprobFormatter
+from tpuray.serve.llm.request_checks import check_body
+from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
 logger = logging.getLogger(__name__)
+
+OFF_LOOP_CHARS = 16_384  # texts longer than this are tokenized in a worker thread
 
 
 class Job(NamedTuple):
@@ -82,12 +86,13 @@ class ModelServer(EngineBackend):
         return req
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        body = check_body(endpoint, body)
         if endpoint == "completions":
             return await self.completions(self._parse(CompletionRequest, body))
         if endpoint == "chat":
             return await self.chat(self._parse(ChatCompletionRequest, body))
         if endpoint == "tokenize":
-            return self.tokenize(parse_request(TokenizeRequest, body))
+            return await self.tokenize(parse_request(TokenizeRequest, body))
         if endpoint == "detokenize":
             return self.detokenize(parse_request(DetokenizeRequest, body))
         raise OpenAIError(
@@ -95,6 +100,7 @@ class ModelServer(EngineBackend):
         )
 
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = check_body(endpoint, body)
         if endpoint == "completions":
             stream = self.completions_stream(self._parse(CompletionRequest, body))
         elif endpoint == "chat":
@@ -105,15 +111,19 @@ class ModelServer(EngineBackend):
         async for chunk in stream:
             yield chunk
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize shape: {count, max_model_len, tokens, token_strs}."""
         self._check_model(req)
         if req.messages is not None:
-            ids = self._template(
-                template_messages(req.messages), add_generation_prompt=req.add_generation_prompt
+            messages = template_messages(req.messages)
+            chars = sum(len(m["content"]) for m in messages)
+            ids = await self._off_loop(
+                chars, self._template, messages, add_generation_prompt=req.add_generation_prompt
             )
         else:
-            ids = self.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            prompt = req.prompt or ""
+            encode = self.engine.tokenizer.encode
+            ids = await self._off_loop(len(prompt), encode, prompt, add_special_tokens=req.add_special_tokens)
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -130,17 +140,46 @@ class ModelServer(EngineBackend):
     def _params(self, req, prompt_len: int, param: str, default_max: int | None) -> SamplingParams:
         return sampling_params(self.engine, req, prompt_len, param, default_max)
 
-    def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits in max_model_len tokens (a token is at most its longest piece)."""
+        longest = max((len(piece) for piece in self.engine.tokenizer.get_vocab()), default=1)
+        return self.max_model_len * max(longest, 1)
+
+    def _bound(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit in max_model_len without tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the {param} has "
+                f"{chars} characters, more than that many tokens can hold. Please reduce the length of the "
+                f"{param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _off_loop(self, chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs): in a worker thread for long texts, so other requests keep being served."""
+        if chars > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    async def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
         jobs = []
         prompts = req.prompts()
         if not prompts:
             raise OpenAIError("prompt must not be empty", param="prompt")
+        vocab = len(self.engine.tokenizer)
         for p_idx, prompt in enumerate(prompts):
-            if isinstance(prompt, list) and any(not 0 <= t < len(self.engine.tokenizer) for t in prompt):
-                raise OpenAIError(
-                    f"prompt token ids must be in [0, {len(self.engine.tokenizer)})", param="prompt"
+            if isinstance(prompt, list) and len(prompt) < self.max_model_len:
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            if isinstance(prompt, str):
+                self._bound(len(prompt), "prompt")
+                ids = await self._off_loop(
+                    len(prompt), self.engine.encode_prompt, prompt, req.add_special_tokens
                 )
-            ids = self.engine.encode_prompt(prompt, req.add_special_tokens)
+            else:
+                ids = list(prompt)
             params = self._params(req, len(ids), "prompt", 16)
             echo = (
                 (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if req.echo else ""
@@ -155,13 +194,19 @@ class ModelServer(EngineBackend):
         except TemplateError as e:
             raise OpenAIError(str(e), param=e.param) from None
 
-    def _chat_jobs(self, req: ChatCompletionRequest) -> list[Job]:
-        ids = self._template(
-            template_messages(req.messages),
+    async def _chat_jobs(self, req: ChatCompletionRequest) -> list[Job]:
+        messages = template_messages(req.messages)
+        chars = sum(len(m["content"]) for m in messages)
+        self._bound(chars, "messages")
+        ids = await self._off_loop(
+            chars,
+            self._template,
+            messages,
             add_generation_prompt=req.generation_prompt,
             continue_final_message=req.continue_final_message,
             add_special_tokens=req.add_special_tokens,
             template_kwargs=req.chat_template_kwargs,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         )
         params = self._params(req, len(ids), "messages", None)
         last = req.messages[-1]
@@ -190,15 +235,15 @@ class ModelServer(EngineBackend):
         completion_tokens = sum(c.completion_tokens for c in results)
         return sorted(results, key=lambda c: c.choice), _prompt_tokens(jobs), completion_tokens
 
-    def _completion_logprobs(self, req: CompletionRequest, job: Job, records, prompt_records, offset=0):
+    def _completion_logprobs(self, req: CompletionRequest, job: Job, records, prompt_records, offsets=None):
         if req.logprobs is None:
-            return None, offset
+            return None, offsets
         prompt = job.prompt_ids if req.echo and prompt_records is not None else None
-        return self.formatter.completion(records, offset, prompt, prompt_records)
+        return self.formatter.completion(records, offsets, prompt, prompt_records)
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self._check_model(req)
-        jobs = self._completion_jobs(req)
+        jobs = await self._completion_jobs(req)
         results, pt, ct = await self._run_all(jobs)
         choices = []
         for c in results:
@@ -217,7 +262,7 @@ class ModelServer(EngineBackend):
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
         self._check_model(req)
-        results, pt, ct = await self._run_all(self._chat_jobs(req))
+        results, pt, ct = await self._run_all(await self._chat_jobs(req))
         choices = [
             {
                 "index": c.choice,
@@ -275,7 +320,7 @@ class ModelServer(EngineBackend):
 
     async def completions_stream(self, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
-        jobs = self._completion_jobs(req)  # raises before the first chunk
+        jobs = await self._completion_jobs(req)  # raises before the first chunk
         base = {
             "id": _response_id("cmpl", req),
             "object": "text_completion",
@@ -283,7 +328,7 @@ class ModelServer(EngineBackend):
             "model": self.model_id,
         }
         echoed: set[int] = set()
-        offsets = {j.choice: 0 for j in jobs}
+        offsets: dict[int, TextOffsets | None] = {j.choice: None for j in jobs}
         sent: dict[int, int] = {}
         async for index, out in self._stream_all(jobs):
             if index < 0:
@@ -301,7 +346,7 @@ class ModelServer(EngineBackend):
 
     async def chat_stream(self, req: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
         self._check_model(req)
-        jobs = self._chat_jobs(req)
+        jobs = await self._chat_jobs(req)
         base = {
             "id": _response_id("chatcmpl", req),
             "object": "chat.completion.chunk",

@@ -18,6 +18,7 @@ and drop some OpenAI fields with only a debug log, so before vLLM parses a reque
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import AsyncIterator
 from functools import cache
@@ -30,6 +31,7 @@ from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
 from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
 from tpuray.serve.llm.replica import EngineBackend
+from tpuray.serve.llm.request_checks import check_body
 
 DONE = "data: [DONE]\n\n"
 
@@ -107,6 +109,20 @@ def _error(err: Any, body: dict[str, Any]) -> OpenAIError:
     return OpenAIError(info.message, status, type=info.type, param=param)
 
 
+def _prompt_only(endpoint: str, body: dict[str, Any]) -> bool:
+    """A completion with echo and max_tokens 0: the prompt alone (vLLM's scoring mode)."""
+    return endpoint == "completions" and body.get("echo") is True and body.get("max_tokens") == 0
+
+
+def _no_completion_tokens(response: dict[str, Any]) -> None:
+    """vLLM counts the one token it samples, and drops, for echo with max_tokens 0; none is returned, so
+    usage counts none (as the embedded engine does)."""
+    usage = response.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens"):
+        usage["total_tokens"] -= usage["completion_tokens"]
+        usage["completion_tokens"] = 0
+
+
 class VLLMServer(EngineBackend):
     """One model on vLLM: the engine plus vLLM's OpenAI serving layer."""
 
@@ -168,6 +184,7 @@ class VLLMServer(EngineBackend):
             raise OpenAIError(
                 f"model `{self.model_id}` does not serve {endpoint}; it serves text generation", param="model"
             )
+        body = check_body(endpoint, body)
         strict_check(endpoint, body)
         try:
             return await method(parse_request(cls, body), None)
@@ -186,7 +203,10 @@ class VLLMServer(EngineBackend):
             raise _error(result, body)
         if isinstance(result, AsyncIterator):  # stream=true reached the non-streamed path
             raise OpenAIError("stream must be true for a streamed response", param="stream")
-        return result.model_dump(exclude_unset=False)
+        response = result.model_dump(exclude_unset=False)
+        if _prompt_only(endpoint, body):
+            _no_completion_tokens(response)
+        return response
 
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[str | dict]:
         """A streamed request: vLLM's SSE events (strings, without the final [DONE]); OpenAIError raised
@@ -199,9 +219,15 @@ class VLLMServer(EngineBackend):
         if not isinstance(result, AsyncIterator):  # e.g. /tokenize, or stream=false: one JSON body
             yield result.model_dump()
             return
+        prompt_only = _prompt_only(endpoint, body)
         async for event in result:
-            if event != DONE:
-                yield event
+            if event == DONE:
+                continue
+            if prompt_only and isinstance(event, str) and '"usage"' in event:
+                data = json.loads(event.removeprefix("data: "))
+                _no_completion_tokens(data)
+                event = f"data: {json.dumps(data)}\n\n"
+            yield event
 
     async def check_health(self) -> None:
         await self.engine.check_health()

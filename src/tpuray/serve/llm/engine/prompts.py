@@ -52,9 +52,11 @@ class PromptEncoder:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The messages rendered by the model's chat template and tokenized. `template_kwargs` are extra
-        template variables (vLLM's chat_template_kwargs); TemplateError names what cannot be rendered."""
+        template variables (vLLM's chat_template_kwargs), `tools` the request's tool definitions (the
+        template's `tools`); TemplateError names what cannot be rendered."""
         kwargs = dict(template_kwargs or {})
         reserved = sorted(set(kwargs) & _template_params())
         if reserved:
@@ -68,6 +70,7 @@ class PromptEncoder:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **kwargs,
             )
         except Exception as e:

@@ -20,7 +20,7 @@ import torch
 class SamplingParams:
     """What one sequence samples with. Requests are validated in protocol.py; this only guards ranges."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (completions' echo with max_tokens 0)
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
@@ -42,8 +42,8 @@ class SamplingParams:
     grammar: Any = None  # a llguidance grammar (grammar.py) the output must follow
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:  # 0: the prompt alone (its logprobs), nothing generated
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -209,6 +209,9 @@ class Scheduler:
                 continue
             if prompt_lps and i in prompt_lps:
                 seq.prompt_logprobs = prompt_lps[i]
+            if seq.params.max_tokens == 0:  # the prompt alone (echo): its prefill ran, nothing is generated
+                self._emit(seq, "length")
+                continue
             reason = None
             if token in seq.params.stop_token_ids or (token in self.eos_ids and not seq.params.ignore_eos):
                 reason = "stop"
@@ -265,16 +268,16 @@ class Scheduler:
             delta = text[seq.emitted :]
         seq.text = text
         seq.emitted += len(delta)
-        new_tokens = seq.output_ids[seq.sent_tokens :]
-        new_logprobs = seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else []
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
-            prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs or [], True
-        seq.sent_tokens = len(seq.output_ids)
         if reason is not None:
             seq.finished = True
             self._release(seq)
         if delta or reason is not None:  # tokens held back with their text go out with the next delta
+            new_tokens = seq.output_ids[seq.sent_tokens :]
+            new_logprobs = seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else []
+            prompt_logprobs = None
+            if seq.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
+                prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs or [], True
+            seq.sent_tokens = len(seq.output_ids)
             seq.queue.put_nowait(
                 SeqOutput(
                     delta,
