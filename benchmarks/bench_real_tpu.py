@@ -182,7 +182,8 @@ def bench_engine(args) -> None:
         runner.step([(0, prompt, 0, None)], need_logits=False)
         times.append(time.perf_counter() - t)
     report("ttft", prompt_tokens=len(prompt), ms_median=sorted(times)[2] * 1e3)
-    report("serve_mixed", **serve_mixed(runner, args.requests, max_num_seqs, max_model_len))
+    if not args.quick:
+        report("serve_mixed", **serve_mixed(runner, args.requests, max_num_seqs, max_model_len))
 
 
 # -- training -------------------------------------------------------------------------------------------
@@ -310,6 +311,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["engine", "train"])
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
+    ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--requests", type=int, default=200)

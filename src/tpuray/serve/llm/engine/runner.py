@@ -47,7 +47,7 @@ class ModelRunner:
     (`dynamic=False`, torch_tpu's "tpu" backend on a TPU, `compile_backend` to choose another) for every
     bucket in `warmup()`, so that serving never compiles again; steps are padded to the buckets
     (step_plan.py). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
-    anyway: the compiled runner's inputs without the compiler)."""
+    anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes)."""
 
     def __init__(
         self,
@@ -63,6 +63,7 @@ class ModelRunner:
         compile: bool | None = None,
         compile_backend: str | None = None,
         static_shapes: bool = False,
+        buckets: Buckets | None = None,
     ):
         self.model = ShardedLlama(path, rank, world_size, DTYPES[dtype], device, all_reduce)
         self.rank = rank
@@ -70,9 +71,11 @@ class ModelRunner:
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
         self.compiled = _real_tpu(self.device) if compile is None else compile
         padded = self.compiled or static_shapes
-        self.buckets = (
-            Buckets.for_engine(max_num_seqs, max_model_len, max_model_len) if padded else Buckets.exact()
-        )
+        if buckets is None:
+            buckets = (
+                Buckets.for_engine(max_num_seqs, max_model_len, max_model_len) if padded else Buckets.exact()
+            )
+        self.buckets = buckets
         self.compilations = 0  # programs built by the compiler (warm-up included)
         self.warmup_s = 0.0
         self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._prefill_program
