@@ -28,14 +28,6 @@ PENDING = [
     {"tpuray.serve.llm.config", "tpuray.serve.llm.engine.vllm_args"},
     {"tpuray.serve.llm.replica", "tpuray.serve.llm.server", "tpuray.serve.llm.vllm_server"},
     {"tpuray.train.callbacks", "tpuray.train.checkpoint_manager", "tpuray.train.config"},
-    {
-        "tpuray.train._data_iterator",
-        "tpuray.train.data",
-        "tpuray.train.torch",
-        "tpuray.train.torch_trainer",
-        "tpuray.train.trainer",
-        "tpuray.train.worker",
-    },
 ]
 
 
