@@ -27,7 +27,6 @@ ALLOWED = [
 PENDING = [
     {"tpuray.serve.llm.config", "tpuray.serve.llm.engine.vllm_args"},
     {"tpuray.serve.llm.replica", "tpuray.serve.llm.server", "tpuray.serve.llm.vllm_server"},
-    {"tpuray.train.callbacks", "tpuray.train.checkpoint_manager", "tpuray.train.config"},
 ]
 
 
