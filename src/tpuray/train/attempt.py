@@ -30,12 +30,12 @@ import ray
 from tpuray.constants import PREEMPTION_NOTIFY_TIMEOUT_S, WORKER_CALL_TIMEOUT_S
 from tpuray.slices.distributed import RankInfo, device_type_for
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_domains
+from tpuray.slices.group_start import start_group
 from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.slices.worker_group import SliceWorkerGroup
 from tpuray.train.checkpoint import Checkpoint
 from tpuray.train.checkpoint_manager import RunState
 from tpuray.train.data import AttemptShards, TrainDatasets
-from tpuray.train.group_start import start_group
 from tpuray.train.progress import Progress
 from tpuray.train.result import WorkerGroupError
 from tpuray.train.scaling import ScalingConfig
