@@ -122,7 +122,9 @@ def process_env(
 
 
 def apply_process_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Install `env` (default: `process_env()`) in os.environ, dropping Ray's sub-host bounds."""
+    """Install `env` (default: `process_env()`) in os.environ, dropping Ray's sub-host bounds first (they
+    describe an isolated 1-host slice, not the slice `env` places this process in). The one rule for
+    every worker process (`tpuray.slices.SliceWorker.setup_distributed` installs its rank's env here)."""
     env = dict(process_env() if env is None else env)
     for key in RAY_SUBHOST_BOUNDS_ENV:
         os.environ.pop(key, None)

@@ -17,6 +17,7 @@ from tpuray.optional import MissingDependency  # noqa: E402
 from tpuray.train import (  # noqa: E402
     Callback,
     CallbackError,
+    CheckpointConfig,
     FailureConfig,
     MLflowLoggerCallback,
     RunConfig,
@@ -24,9 +25,8 @@ from tpuray.train import (  # noqa: E402
     TensorBoardLoggerCallback,
     TrainingFailedError,
 )
-from tpuray.train.callbacks import RunHooks  # noqa: E402
-from tpuray.train.config import CheckpointConfig  # noqa: E402
-from tpuray.train.run_state import RunState  # noqa: E402
+from tpuray.train.checkpoint_manager import RunState  # noqa: E402
+from tpuray.train.run_hooks import RunHooks  # noqa: E402
 from tpuray.train.session import ReportRecord  # noqa: E402
 from tpuray.validation import ConfigError  # noqa: E402
 
@@ -131,19 +131,21 @@ def test_bad_callbacks_are_refused_at_construction(tmp_path, monkeypatch) -> Non
 def test_reports_are_delivered_once_every_rank_made_them() -> None:
     """on_report waits for the slowest rank (as Ray's after_report), in report order, exactly once."""
     rec = Recorder()
-    hooks = RunHooks([rec], CheckpointConfig(), "/nowhere")
+    hooks = RunHooks([rec], "/nowhere")
     state = RunState(world_size=2)
-    hooks.attach(state)
+    registered: list[int] = []
+    register = lambda i, m: registered.append(i)  # noqa: E731
     metrics = lambda i: {"epoch": i + 1}  # noqa: E731
     state.add(0, [ReportRecord(i, metrics(i), i == 1) for i in range(3)], lambda m: None)
     state.add(1, [ReportRecord(0, None, False)], lambda m: None)
     state.commit()
-    hooks.after_collect(state)
+    hooks.after_collect(state, register)
     assert rec.events == [("report", 0, 1, False)]  # rank 1 has not made report 1 yet
     state.add(1, [ReportRecord(1, None, False), ReportRecord(2, None, False)], lambda m: None)
     state.commit()
-    hooks.after_collect(state)
-    hooks.after_collect(state)
+    hooks.after_collect(state, register)
+    hooks.after_collect(state, register)
+    assert registered == [1]  # the committed checkpoint, registered (for retention) once
     assert rec.events[1:] == [
         ("report", 1, 2, True),
         ("checkpoint", "checkpoint_000001", 2),

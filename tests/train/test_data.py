@@ -177,6 +177,23 @@ def test_get_dataset_shard_outside_a_run() -> None:
         train.get_dataset_shard("train")
 
 
+def test_the_worker_session_holds_the_shards(monkeypatch) -> None:
+    from tpuray import train
+    from tpuray.train import session
+
+    monkeypatch.setattr(session, "_SESSION", None)  # the process's session: gone again after the test
+    ctx = session.TrainContext(0, 1, 0, 1, 0, "shards", "/tmp", "/tmp")
+    one, two = object(), object()
+    session.start_session(ctx, None, 0, shards={"train": one})
+    assert train.get_dataset_shard() is one and train.get_dataset_shard("train") is one
+    with pytest.raises(KeyError, match=r"get_dataset_shard\('val'\): no such dataset.*\['train'\]"):
+        train.get_dataset_shard("val")
+    session.start_session(ctx, None, 0, shards={"train": one, "val": two})  # a new attempt's worker
+    assert train.get_dataset_shard("val") is two
+    with pytest.raises(KeyError, match="needs a dataset name"):
+        train.get_dataset_shard()
+
+
 @pytest.mark.slow
 def test_seed_sample_and_split_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
     """The one tpuray.train test on a multi-host slice (16 workers on 4 emulated hosts; each 16-worker fit

@@ -3,6 +3,7 @@ worker group that training and serving share."""
 
 from tpuray.slices.distributed import RankInfo
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, draining_nodes
+from tpuray.slices.group_start import LostWhileStarting, start_group
 from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.slices.placement import SlicePlacementGroup, SliceReservationTimeout, slice_placement_group
 from tpuray.slices.worker import SliceWorker, WorkerPlacement
@@ -12,6 +13,7 @@ __all__ = [
     "DrainWatch",
     "PreemptionInfo",
     "draining_nodes",
+    "LostWhileStarting",
     "PlacementError",
     "RankInfo",
     "SliceInfo",
@@ -25,4 +27,5 @@ __all__ = [
     "format_slices",
     "list_slices",
     "slice_placement_group",
+    "start_group",
 ]

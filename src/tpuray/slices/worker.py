@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from tpuray.constants import (
     EMULATION_ENV,
     HOST_ENV,
-    RAY_SUBHOST_BOUNDS_ENV,
     TPU_NAME_ENV,
     TPU_RESOURCE,
     TPU_WORKER_ID_ENV,
 )
+from tpuray.isolation import apply_process_env
 from tpuray.slices import distributed
 
 
@@ -72,10 +72,9 @@ class SliceWorker:
         return distributed.free_port()
 
     def setup_distributed(self, env: dict[str, str], backend: str | None, timeout_s: float) -> None:
-        """Install this rank's process env; with a backend, create the default process group."""
-        for key in RAY_SUBHOST_BOUNDS_ENV:  # they describe an isolated 1-host slice, not this one
-            os.environ.pop(key, None)
-        os.environ.update(env)
+        """Install this rank's process env (dropping Ray's sub-host bounds: `apply_process_env`); with a
+        backend, create the default process group."""
+        apply_process_env(env)
         if backend is not None:
             distributed.init_process_group(backend, timeout_s)
 

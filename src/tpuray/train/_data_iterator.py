@@ -39,7 +39,7 @@ class TrainDataIterator(DataIterator):
 
     def iter_torch_batches(self, *args: Any, device: Any = "auto", **kwargs: Any) -> Iterable[Any]:
         if isinstance(device, str) and device == "auto":
-            from tpuray.train.torch import get_device
+            from tpuray.train.devices import get_device
 
             device = get_device()
         return super().iter_torch_batches(*args, device=device, **kwargs)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from tpuray.constants import ACCELERATOR_LABEL, TPU_RESOURCE
+from tpuray.train.session import require_session
 from tpuray.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -127,6 +128,16 @@ class WorkerShards:
 
     iterators: dict[str, DataIterator]
     data_context: DataContext
+
+    def install(self) -> dict[str, DataIterator]:
+        """On the worker: make the driver's DataContext current; the iterators get_dataset_shard() hands
+        out (their iter_torch_batches() defaults to get_device())."""
+        from ray.data.context import DataContext
+
+        from tpuray.train._data_iterator import TrainDataIterator
+
+        DataContext._set_current(self.data_context)
+        return {name: TrainDataIterator(it) for name, it in self.iterators.items()}
 
 
 class AttemptShards:
@@ -279,45 +290,8 @@ def _keep_off_tpu_hosts(name: str, options: ExecutionOptions) -> None:
 
 
 # ---- worker side --------------------------------------------------------------------------------------
-_SHARDS: dict[str, DataIterator] | None = None
-
-
-def _install(shards: WorkerShards | None) -> None:
-    """Called by the TrainWorker when its session starts (one worker process per attempt)."""
-    global _SHARDS
-    if shards is None:
-        _SHARDS = None
-        return
-    from ray.data.context import DataContext
-
-    DataContext._set_current(shards.data_context)
-    _SHARDS = {name: _make_train_iterator(it) for name, it in shards.iterators.items()}
-
-
 def get_dataset_shard(dataset_name: str | None = None) -> DataIterator:
     """This worker's `ray.data.DataIterator` for `TorchTrainer(datasets={dataset_name: ...})` (mirrors
     `ray.train.get_dataset_shard`). `iter_torch_batches()` puts batches on `get_device()` by default
     (device="auto", as in Ray Train). With no name, the only dataset (an error if there are several)."""
-    from tpuray.train import session
-
-    session._require("get_dataset_shard")
-    shards = _SHARDS or {}
-    if dataset_name is None:
-        if len(shards) == 1:
-            return next(iter(shards.values()))
-        raise KeyError(
-            f"get_dataset_shard() needs a dataset name when there is not exactly one dataset; "
-            f"this run has {sorted(shards)!r}"
-        )
-    if dataset_name not in shards:
-        raise KeyError(
-            f"get_dataset_shard({dataset_name!r}): no such dataset; pass it in TorchTrainer(datasets=...) "
-            f"(this run has {sorted(shards)!r})"
-        )
-    return shards[dataset_name]
-
-
-def _make_train_iterator(inner: DataIterator) -> DataIterator:
-    from tpuray.train._data_iterator import TrainDataIterator
-
-    return TrainDataIterator(inner)
+    return require_session("get_dataset_shard").dataset_shard(dataset_name)

@@ -1,6 +1,9 @@
-"""Per-worker state: the TrainContext behind get_context(), report() and get_checkpoint().
+"""Per-worker state: the TrainContext behind get_context(), report(), get_checkpoint() and
+get_dataset_shard().
 
-One `_Session` exists per worker process while a training function runs. `report()` is cheap: rank 0
+One `WorkerSession` exists per worker process while a training function runs (`start_session()`; the
+worker's only module-level state): its context, the checkpoint it resumes from, its dataset shards, the
+preemption notice and its upload queue. `report()` is cheap: rank 0
 keeps the metrics, every rank uploads its checkpoint files (if any) to
 `<run_path>/checkpoint_<index>` (in the background by default: `tpuray.train.upload`), and the driver
 drains the queue with `drain()` while training runs; a report's record is drained only once its
@@ -10,12 +13,15 @@ checkpoint files are all uploaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S
 from tpuray.slices.drain import PreemptionInfo
 from tpuray.train.checkpoint import Checkpoint, checkpoint_dir
 from tpuray.train.upload import CheckpointUploadMode, UploadQueue, parse_upload_mode
+
+if TYPE_CHECKING:
+    from ray.data import DataIterator
 
 
 @dataclass
@@ -79,7 +85,7 @@ class TrainContext:
     def should_checkpoint(self) -> bool:
         """True once the slice is being preempted and until this worker reports a checkpoint: the driver
         ends the attempt as soon as that checkpoint is committed, and resumes from it on another slice."""
-        session = _current()
+        session = current_session()
         return session is not None and session.checkpoint_requested
 
 
@@ -90,7 +96,9 @@ class ReportRecord:
     has_checkpoint: bool
 
 
-class _Session:
+class WorkerSession:
+    """One worker's state while its training function runs."""
+
     def __init__(
         self,
         context: TrainContext,
@@ -98,14 +106,33 @@ class _Session:
         first_index: int,
         upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
         upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
+        shards: dict[str, DataIterator] | None = None,
     ) -> None:
         self.context = context
         self.checkpoint = checkpoint
         self.next_index = first_index
         self.upload_mode = upload_mode
         self.uploads = UploadQueue(upload_timeout_s)
+        self.shards: dict[str, DataIterator] = dict(shards or {})  # TorchTrainer(datasets=...), by name
         self.preemption: PreemptionInfo | None = None  # set by the driver on a preemption notice
         self.checkpoint_requested = False
+
+    def dataset_shard(self, name: str | None) -> DataIterator:
+        """This worker's iterator of dataset `name` (None: the only dataset)."""
+        shards = self.shards
+        if name is None:
+            if len(shards) == 1:
+                return next(iter(shards.values()))
+            raise KeyError(
+                f"get_dataset_shard() needs a dataset name when there is not exactly one dataset; "
+                f"this run has {sorted(shards)!r}"
+            )
+        if name not in shards:
+            raise KeyError(
+                f"get_dataset_shard({name!r}): no such dataset; pass it in TorchTrainer(datasets=...) "
+                f"(this run has {sorted(shards)!r})"
+            )
+        return shards[name]
 
     def notify_preemption(self, info: PreemptionInfo) -> int:
         """Record the notice; return how many reports this worker has made (uploaded or not)."""
@@ -142,26 +169,31 @@ class _Session:
         return self.uploads.drain()
 
 
-_SESSION: _Session | None = None
+_SESSION: WorkerSession | None = None  # this worker process's session (one attempt's worker each)
 
 
-def _start(
+def start_session(
     context: TrainContext,
     checkpoint: Checkpoint | None,
     first_index: int,
     upload_mode: CheckpointUploadMode = CheckpointUploadMode.ASYNC,
     upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
-) -> _Session:
+    shards: dict[str, DataIterator] | None = None,
+) -> WorkerSession:
     global _SESSION
-    _SESSION = _Session(context, checkpoint, first_index, upload_mode, upload_timeout_s)
+    _SESSION = WorkerSession(context, checkpoint, first_index, upload_mode, upload_timeout_s, shards)
     return _SESSION
 
 
-def _current() -> _Session | None:
+_start = start_session  # the name tests/runtime/_dist_checks.py uses
+
+
+def current_session() -> WorkerSession | None:
     return _SESSION
 
 
-def _require(what: str) -> _Session:
+def require_session(what: str) -> WorkerSession:
+    """The running session, else RuntimeError naming `tpuray.train.<what>()`."""
     if _SESSION is None:
         raise RuntimeError(
             f"tpuray.train.{what}() only works inside train_loop_per_worker run by "
@@ -187,11 +219,11 @@ def report(
     with CheckpointUploadError naming the file). Upload errors are raised by the next report() or when
     the training function returns. SYNC: the files are in storage when report() returns. Either way the
     checkpoint is committed only once every rank's files are uploaded (see tpuray.train.upload)."""
-    _require("report").report(metrics, checkpoint, checkpoint_upload_mode)
+    require_session("report").report(metrics, checkpoint, checkpoint_upload_mode)
 
 
 def get_context() -> TrainContext:
-    return _require("get_context").context
+    return require_session("get_context").context
 
 
 def get_preemption_info() -> PreemptionInfo | None:
@@ -199,9 +231,9 @@ def get_preemption_info() -> PreemptionInfo | None:
 
     When it is set, report a checkpoint soon (`get_context().should_checkpoint()` says so): the run then
     resumes from it on another slice, and no step before the notice is lost."""
-    return _require("get_preemption_info").preemption
+    return require_session("get_preemption_info").preemption
 
 
 def get_checkpoint() -> Checkpoint | None:
     """The latest committed checkpoint when this run was restored after a failure, else None."""
-    return _require("get_checkpoint").checkpoint
+    return require_session("get_checkpoint").checkpoint

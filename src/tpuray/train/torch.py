@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from tpuray.train.config import TorchConfig
-from tpuray.train.session import _current
+from tpuray.train.devices import get_device, get_devices
+from tpuray.train.session import current_session
 from tpuray.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -36,38 +37,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _local_device_type() -> str:
-    """Outside a training session: "tpu" where this process has a usable tpu device (a real TorchTPU,
-    or tpuray's emulation once active), else "cuda" where a GPU is visible, else "cpu"."""
-    accel = getattr(torch, "accelerator", None)  # torch_tpu answers through torch.accelerator only
-    if accel is not None and accel.is_available():
-        current = accel.current_accelerator()
-        if current is not None and current.type in ("tpu", "cuda"):
-            return current.type
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def get_device() -> torch.device:
-    """torch.device("tpu") on TPU workers, cuda:0 (the GPU Ray isolated) on GPU workers, else cpu.
-    Outside a training session: the local accelerator (see `_local_device_type`)."""
-    sess = _current()
-    kind = sess.context.device_type if sess is not None else _local_device_type()
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
-    return torch.device(kind)
-
-
-def get_devices() -> list[torch.device]:
-    return [get_device()]
-
-
 def _world_size() -> int:
-    sess = _current()
+    sess = current_session()
     return sess.context.world_size if sess is not None else 1
 
 
 def _world_rank() -> int:
-    sess = _current()
+    sess = current_session()
     return sess.context.world_rank if sess is not None else 0
 
 

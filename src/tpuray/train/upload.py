@@ -1,14 +1,10 @@
 """Checkpoint upload behind `report(metrics, checkpoint=...)`: synchronous, or on a per-worker background
-thread (`CheckpointUploadMode.ASYNC`, the default), and the rule that makes a checkpoint *committed*.
+thread (`CheckpointUploadMode.ASYNC`, the default).
 
-Commit rule. A worker hands a report's record to the driver (`UploadQueue.drain()`) only once every file
-of that report's checkpoint is in storage; records leave in report order, so a report made while an
-upload is in flight waits behind it. The driver commits checkpoint i when every rank's record i has
-arrived (`RunState.commit()`). A worker that dies or fails mid-upload never hands over record i, so
-checkpoint i is never committed and a restart resumes from the previous one (the half-written
-`checkpoint_<i>` directory is deleted when the next attempt starts). On local storage each file is
-written under a temporary name and renamed into place, so no file is ever seen half-written under its
-own name.
+A worker hands a report's record to the driver (`UploadQueue.drain()`) only once every file of that
+report's checkpoint is in storage, in report order: the worker's half of the commit rule (written out,
+with the driver's half, in `tpuray.train.checkpoint_manager`). On local storage each file is written
+under a temporary name and renamed into place, so no file is ever seen half-written under its own name.
 
 ASYNC. `report()` takes a *snapshot* of the directory and returns; the upload runs meanwhile:
 

@@ -10,15 +10,20 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S, RESERVE_TIMEOUT_ENV, UPLOAD_TIMEOUT_ENV
 from tpuray.slices.worker import SliceWorker
 from tpuray.slices.worker_group import WorkerGroupSpec
+from tpuray.train import session
 from tpuray.train.checkpoint import Checkpoint
 from tpuray.train.config import ScalingConfig
 from tpuray.train.session import TrainContext
+from tpuray.train.upload import CheckpointUploadMode
 from tpuray.validation import ConfigError
+
+if TYPE_CHECKING:
+    from tpuray.train.data import WorkerShards
 
 DEFAULT_RESERVE_TIMEOUT_S = 300.0
 
@@ -98,25 +103,18 @@ class TrainWorker(SliceWorker):
         checkpoint: Checkpoint | None,
         first_index: int,
         upload_mode: Any = None,
-        shards: Any = None,
+        shards: WorkerShards | None = None,
         upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S,
     ) -> None:
         """upload_mode: CheckpointConfig.checkpoint_upload_mode; shards: this rank's
         tpuray.train.data.WorkerShards (TorchTrainer(datasets=...)) or None; upload_timeout_s: the
         driver's $TPURAY_TRAIN_UPLOAD_TIMEOUT_S."""
-        import tpuray.train.torch  # noqa: F401  (so `tpuray.train.torch.get_device()` resolves in user code)
-        from tpuray.train import data, session
-        from tpuray.train.upload import CheckpointUploadMode
-
-        session._start(
-            context, checkpoint, first_index, upload_mode or CheckpointUploadMode.ASYNC, upload_timeout_s
-        )
-        data._install(shards)
+        iterators = shards.install() if shards is not None else None
+        mode = upload_mode or CheckpointUploadMode.ASYNC
+        session.start_session(context, checkpoint, first_index, mode, upload_timeout_s, iterators)
 
     def run(self, fn, config) -> WorkerOutcome:
-        from tpuray.train import session
-
-        sess = session._require("run")
+        sess = session.require_session("run")
         rank = sess.context.world_rank
         try:
             value = fn(config) if config is not None else _call_maybe_without_config(fn)
@@ -134,15 +132,11 @@ class TrainWorker(SliceWorker):
     def notify_preemption(self, info) -> int:
         """The driver saw a drain of this run's slice: get_preemption_info() and should_checkpoint() say so.
         Returns the reports made so far (some may still be uploading), -1 before the session starts."""
-        from tpuray.train import session
-
-        sess = session._current()
+        sess = session.current_session()
         return sess.notify_preemption(info) if sess is not None else -1
 
     def drain(self) -> list:
-        from tpuray.train import session
-
-        sess = session._current()
+        sess = session.current_session()
         return sess.drain() if sess is not None else []
 
 

@@ -1,4 +1,5 @@
-"""Starting an attempt's worker group without waiting on a slice that is going away.
+"""Starting a worker group without waiting on a slice that is going away (training's attempts, and
+any other owner of a `SliceWorkerGroup`).
 
 Ray schedules nothing new on a draining host, and a placement group whose host died waits for a
 replacement: workers asked for on a slice that is preempted while they start would wait for the whole
@@ -48,7 +49,7 @@ def start_group(group: SliceWorkerGroup, poll_s: float) -> LostWhileStarting | N
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run, name="tpuray-train-start", daemon=True)
+    thread = threading.Thread(target=run, name="tpuray-group-start", daemon=True)
     thread.start()
     nodes: list[str] = []
     watch: DrainWatch | None = None
