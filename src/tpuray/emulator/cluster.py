@@ -366,9 +366,6 @@ class EmulatedCluster:
     def num_hosts(self) -> int:
         return sum(len(sl.hosts) for sl in self.slices)
 
-    def layout_key(self) -> tuple:
-        return tuple(sorted(r.key() for r in self.requests))
-
     def describe(self) -> str:
         parts = []
         for r in self.requests:

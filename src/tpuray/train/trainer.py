@@ -20,7 +20,12 @@ from typing import Any
 
 import ray
 
-from tpuray.constants import PREEMPTION_NOTIFY_TIMEOUT_S, RESERVE_TIMEOUT_ENV, WORKER_CALL_TIMEOUT_S
+from tpuray.constants import (
+    DEADLINE_MARGIN_S,
+    PREEMPTION_NOTIFY_TIMEOUT_S,
+    RESERVE_TIMEOUT_ENV,
+    WORKER_CALL_TIMEOUT_S,
+)
 from tpuray.slices.distributed import RankInfo, device_type_for
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_domains
 from tpuray.slices.placement import SliceReservationTimeout
@@ -39,7 +44,6 @@ from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec, upload_t
 
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
-DEADLINE_MARGIN_S = 1.0  # a preempted attempt stops this long before the deadline at the latest
 
 
 class _Preempted(Exception):
