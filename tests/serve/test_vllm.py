@@ -145,14 +145,20 @@ def test_vllm_workers_hold_the_slices_chips(app):
 
 
 def test_the_replica_log_says_the_slice_is_emulated(app):
-    """The TP=4 replica's own log (its worker's stderr, where a warning lands) says so, not some log."""
+    """The TP=4 replica's own log (its worker's stderr, where a warning lands) says so; the TP=1 replica's
+    (vLLM on the CPU, no slice) does not."""
     import ray
 
-    (replica,) = [r for r in _alive_actors() if r.class_name == f"ServeReplica:tpuray-vllm:LLMServer:{TP4}"]
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-    (log,) = logs.glob(f"worker-{replica.address.worker_id.hex()}-*-{replica.pid}.err")
-    said = [line for line in log.read_text(errors="replace").splitlines() if "EMULATED TPU chips" in line]
-    assert said and said[0].startswith(f"{TP4}: vLLM engine up: "), f"{log} says: {said}"
+    actors = _alive_actors()
+    for model, emulated in ((TP4, True), (TP1, False)):
+        (replica,) = [r for r in actors if r.class_name == f"ServeReplica:tpuray-vllm:LLMServer:{model}"]
+        (log,) = logs.glob(f"worker-{replica.address.worker_id.hex()}-*-{replica.pid}.err")
+        text = log.read_text(errors="replace")
+        said = [line for line in text.splitlines() if "EMULATED TPU chips" in line]
+        assert bool(said) == emulated, f"{model}: {log} says {said}"
+        if emulated:
+            assert said[0].startswith(f"{TP4}: vLLM engine up: "), said
 
 
 def test_openai_sampling_fields_pass_through_to_vllm(client, hf):
