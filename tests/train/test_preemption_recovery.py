@@ -172,7 +172,7 @@ def test_no_free_slice_after_a_preemption_fails_once_the_reservation_times_out(
     checkpoint the loop made on the notice is kept."""
     from tpuray.slices.placement import SlicePlacementGroup
 
-    monkeypatch.setenv(RESERVE_TIMEOUT_ENV, "5")
+    monkeypatch.setenv(RESERVE_TIMEOUT_ENV, "15")
     spare = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
     marker = tmp_path / "marker"
     trainer = _trainer(tmp_path, "nospare", {"steps": 20, "signal_at": 3, "marker": str(marker)})
@@ -187,7 +187,7 @@ def test_no_free_slice_after_a_preemption_fails_once_the_reservation_times_out(
     try:
         assert isinstance(error, SliceReservationTimeout), error
         message = str(error)
-        assert "attempt 1 after 1 preemption(s)" in message and "found no free slice within 5.0s" in message
+        assert "attempt 1 after 1 preemption(s)" in message and "found no free slice within 15.0s" in message
         assert RESERVE_TIMEOUT_ENV in message and "checkpoint_" in message
         assert error.result.num_preemptions == 1
         assert error.result.checkpoint is not None  # the checkpoint asked for on the notice
