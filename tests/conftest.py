@@ -30,11 +30,11 @@ At session end the connection is closed and every node (raylets, GCS, workers) i
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from _util import live_placement_groups, new_placement_groups
 from tpuray.emulator import EmulatedCluster, SliceRequest
 
 # Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
@@ -56,7 +56,8 @@ class ClusterManager:
 
         requests = requests or DEFAULT_LAYOUT
         wanted = EmulatedCluster(list(requests), head_cpus=head_cpus)
-        cluster = self._clusters.setdefault(wanted.layout_key(), wanted)
+        layout = tuple(sorted(r.key() for r in wanted.requests))
+        cluster = self._clusters.setdefault(layout, wanted)
         if cluster.head_cpus < head_cpus:  # a bigger head is fine; a smaller one is not
             if cluster is self.current:
                 cluster.shutdown()
@@ -112,27 +113,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=swaps)
 
 
-def live_placement_groups() -> dict[str, dict]:
-    """Placement groups that are not REMOVED, by id."""
-    import ray
-
-    if not ray.is_initialized():
-        return {}
-    table = ray.util.placement_group_table()
-    return {pg_id: info for pg_id, info in table.items() if info.get("state") != "REMOVED"}
-
-
 @pytest.fixture
 def pg_leak_check() -> Iterator[Callable[[], None]]:
     before = set(live_placement_groups())
 
     def check() -> None:
         # Removal is an async GCS update: allow it a moment to land, then require it.
-        deadline = time.monotonic() + 10.0
-        leaked = {k: v for k, v in live_placement_groups().items() if k not in before}
-        while leaked and time.monotonic() < deadline:
-            time.sleep(0.1)
-            leaked = {k: v for k, v in live_placement_groups().items() if k not in before}
+        leaked = new_placement_groups(before, timeout_s=10.0)
         summary = {k: (v.get("name"), v.get("state"), v.get("bundles")) for k, v in leaked.items()}
         assert not leaked, f"leaked placement groups: {summary}"
 

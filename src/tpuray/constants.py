@@ -93,3 +93,6 @@ DEFAULT_UPLOAD_TIMEOUT_S = 1800.0
 WORKER_CALL_TIMEOUT_S = 60.0  # a call a live training worker answers at once (its reports, a ping)
 PREEMPTION_NOTIFY_TIMEOUT_S = 10.0  # the workers acknowledge a preemption notice (well within any notice)
 DRAIN_REQUEST_TIMEOUT_S = 30.0  # a drain request to Ray's GCS (the emulator's preemptions; Ray's: none)
+# A preempted training attempt (tpuray.train) or serving engine (tpuray.serve) stops this long before
+# the preemption deadline at the latest.
+DEADLINE_MARGIN_S = 1.0

@@ -150,15 +150,27 @@ def test_int_or_string_fields_accept_both(cluster):
     assert validation_errors(m) == []
 
 
+def _nodes_at(node, path: tuple[str, ...]) -> list:
+    """The values at `path` in a manifest ("[]" steps into every item of a list)."""
+    if not path:
+        return [node]
+    head, rest = path[0], path[1:]
+    if head == "[]":
+        return [v for item in node for v in _nodes_at(item, rest)] if isinstance(node, list) else []
+    if isinstance(node, dict) and head in node:
+        return _nodes_at(node[head], rest)
+    return []
+
+
 @needs_crds
 def test_we_set_no_field_guarded_by_unchecked_cel_rules():
     for kind, kwargs in KIND_ARGS.items():
+        paths = cel_rule_paths(kind)
+        assert ("spec", "managedBy") in paths, (kind, paths)  # the walk finds KubeRay's CEL rules
         manifest = build_manifest(K8sConfig("v6e", "4x4", kind=kind, **kwargs))
-        for path in cel_rule_paths(kind):
-            node = manifest
-            for part in path:
-                if part == "[]" or not isinstance(node, dict) or part not in node:
-                    node = None
-                    break
-                node = node[part]
-            assert node is None, (kind, path)
+        for path in paths:
+            assert _nodes_at(manifest, path) == [], (kind, path)
+        # the check sees such a field where a manifest sets it (including inside lists)
+        manifest["spec"]["managedBy"] = "ray.io/kuberay-operator"
+        assert [p for p in paths if _nodes_at(manifest, p)] == [("spec", "managedBy")]
+    assert _nodes_at({"a": [{"b": 1}, {}, {"b": 2}]}, ("a", "[]", "b")) == [1, 2]

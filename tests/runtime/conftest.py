@@ -5,7 +5,6 @@ itself stays untouched)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,12 +13,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_python(
@@ -33,7 +26,10 @@ def run_python(
     env = {k: v for k, v in os.environ.items() if k not in ("TPURAY_EMULATION", "TPU_VISIBLE_CHIPS")}
     if emulation:
         env["TPURAY_EMULATION"] = "1"
-    env.update(extra_env or {})
+    for name, value in (extra_env or {}).items():
+        if name == "PYTHONPATH" and env.get(name):  # in front of this process's path (a checkout's src)
+            value = os.pathsep.join((value, env[name]))
+        env[name] = value
     cmd = [sys.executable, "-W", "ignore"] + (["-c", textwrap.dedent(code)] if code is not None else args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from conftest import free_port, run_python
+from _util import free_port
+from conftest import run_python
 
 CHECK = """
 import json, sys

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from conftest import HERE, free_port, run_python
+from _util import free_port
+from conftest import HERE, run_python
 
 CHECKS = ["collectives", "training", "plain_ddp", "prepare_model"]
 

@@ -1,20 +1,18 @@
 """Run by test_serve_env_settings.py in a fresh process whose environment sets one Ray Serve setting to 1
-(RAY_SERVE_ENABLE_DIRECT_INGRESS or RAY_SERVE_PROXY_USE_GRPC): a one-model tpuray app driven with the
-openai client (completion, stream, chat stream, unknown model). Prints OK and exits 0 when every check
-passes."""
+(RAY_SERVE_ENABLE_DIRECT_INGRESS or RAY_SERVE_PROXY_USE_GRPC): a one-model tpuray app (the tiny model in
+the directory given) driven with the openai client (completion, stream, chat stream, unknown model).
+Prints OK and exits 0 when every check passes."""
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import httpx
 import openai
 from ray import serve
 
 from tpuray.emulator import EmulatedCluster, SliceRequest
-from tpuray.models import build_tiny_causal_lm
 from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
 
 
@@ -30,14 +28,11 @@ def base_url(setting: str, proxy_port: int) -> str:
     raise RuntimeError(f"no replica or proxy answered /health on {ports}")
 
 
-def main(setting: str, port: int) -> None:
+def main(setting: str, port: int, model_dir: str) -> None:
     assert os.environ.get(setting) == "1", setting
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        EmulatedCluster([SliceRequest("TPU-V6E", "1x1")], head_cpus=2, connect=True),
-    ):
+    with EmulatedCluster([SliceRequest("TPU-V6E", "1x1")], head_cpus=2, connect=True):
         config = LLMConfig(
-            model_loading_config={"model_id": "tiny", "model_source": str(build_tiny_causal_lm(tmp + "/m"))},
+            model_loading_config={"model_id": "tiny", "model_source": model_dir},
             llm_engine="embedded",
             engine_kwargs={"max_model_len": 128},
         )
@@ -72,4 +67,4 @@ def main(setting: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 from _configs import tiny_tp4_config
 
 from tpuray.constants import ROLE_LABEL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _busy_slice() -> str:
@@ -29,14 +22,12 @@ def _busy_slice() -> str:
 
 
 def test_preempted_replica_fails_over_with_no_failed_request(
-    emulated_cluster, pg_leak_check, tiny_model_dir
+    emulated_cluster, serve_url, pg_leak_check, tiny_model_dir
 ) -> None:
     from ray import serve
 
     from tpuray.serve.llm import LLMServingArgs, build_openai_app
 
-    port = _free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     preemption = None
     try:
         config = tiny_tp4_config(tiny_model_dir)
@@ -48,7 +39,7 @@ def test_preempted_replica_fails_over_with_no_failed_request(
         handle = serve.get_deployment_handle("LLMServer:tiny", app_name="spot")
         first_slice = _busy_slice()
         outcomes: list[tuple[bool, int, bool]] = []  # (streamed, HTTP status, complete) per request
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"{serve_url}/v1/completions"
 
         async def load() -> None:
             nonlocal preemption
@@ -96,6 +87,6 @@ def test_preempted_replica_fails_over_with_no_failed_request(
         assert _busy_slice() != first_slice  # the engine runs on the spare slice now
         assert handle.describe.remote().result()["failovers"] == 1
     finally:
-        serve.shutdown()
+        serve.delete("spot")
         if preemption is not None:
             preemption.restore()  # the node pool brings the preempted slice back

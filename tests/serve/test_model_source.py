@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _util import free_port
 from tpuray.optional import MissingDependency
 from tpuray.serve.llm import model_source
 from tpuray.validation import ConfigError
@@ -111,14 +112,6 @@ def test_embedded_engine_serves_a_file_url(tiny_model_dir, tmp_path, monkeypatch
         engine.shutdown()
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cached_hub_id_needs_no_network_without_hf_hub_offline(tiny_model_dir, tmp_path):
     """HF_HUB_OFFLINE unset and the Hub unreachable (a closed local port as HF_ENDPOINT; this machine has
     no internet either): an id in the cache checks and reads from the cache; one not in it fails naming
@@ -131,7 +124,7 @@ def test_cached_hub_id_needs_no_network_without_hf_hub_offline(tiny_model_dir, t
         "try:\n    m.check('tpuray/missing')\nexcept ValueError as e:\n    out['missing'] = str(e)\n"
         "print(json.dumps(out))"
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -157,7 +150,8 @@ def test_tokenizer_source_is_checked_at_build_openai_app(tiny_model_dir, tmp_pat
             {"llm_configs": [{"model_loading_config": loading, "llm_engine": "embedded"}]}
         )
 
-    assert app(str(tokenizer_dir)) is not None
+    (config,), _, _ = app(str(tokenizer_dir))._bound_deployment.init_args  # the app carries it
+    assert config.model_loading_config.tokenizer_source == str(tokenizer_dir)
     with pytest.raises(
         ConfigError, match=r"model 't': tokenizer_source '/does/not/exist' is not a tokenizer dir"
     ):

@@ -5,12 +5,10 @@ puts one vLLM worker on each emulated chip."""
 
 from __future__ import annotations
 
-import socket
-import time
-
 import httpx
 import pytest
 
+from _util import live_placement_groups, new_placement_groups
 from tpuray.serve.llm.engine import vllm_available
 
 pytestmark = pytest.mark.skipif(
@@ -18,13 +16,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _live_pgs() -> dict:
-    import ray
-
-    return {k: v for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
-
-
-def test_ray_serve_llm_serves_on_the_emulated_slice(emulated_cluster, tmp_path) -> None:
+def test_ray_serve_llm_serves_on_the_emulated_slice(serve_url, tmp_path) -> None:
     import torch
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -49,11 +41,7 @@ def test_ray_serve_llm_serves_on_the_emulated_slice(emulated_cluster, tmp_path) 
             "enforce_eager": True,
         },
     )
-    before = set(_live_pgs())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    before = set(live_placement_groups())
     try:
         serve.run(build_openai_app({"llm_configs": [llm_config]}), name="ray-serve-llm", route_prefix="/")
         body = {
@@ -63,13 +51,11 @@ def test_ray_serve_llm_serves_on_the_emulated_slice(emulated_cluster, tmp_path) 
             "temperature": 0,
             "ignore_eos": True,
         }
-        r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions", json={**body, "return_token_ids": True}, timeout=300
-        )
+        r = httpx.post(f"{serve_url}/v1/completions", json={**body, "return_token_ids": True}, timeout=300)
         assert r.status_code == 200, r.text
         slices = [
             v
-            for k, v in _live_pgs().items()
+            for k, v in live_placement_groups().items()
             if k not in before and any("TPU" in b for b in v["bundles"].values())
         ]
         assert slices and all(
@@ -83,8 +69,5 @@ def test_ray_serve_llm_serves_on_the_emulated_slice(emulated_cluster, tmp_path) 
             )
         assert r.json()["choices"][0]["token_ids"] == ref[0, ids.shape[1] :].tolist()
     finally:
-        serve.shutdown()
-    deadline = time.monotonic() + 60
-    while set(_live_pgs()) - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not set(_live_pgs()) - before
+        serve.delete("ray-serve-llm")
+    assert not new_placement_groups(before, timeout_s=60)

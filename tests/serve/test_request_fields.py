@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import socket
 
 import httpx
 import pytest
@@ -241,13 +240,7 @@ def test_vllms_request_fields_are_all_honoured_or_refused():
 # -- log_engine_metrics=False, through a real Serve app ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_log_engine_metrics_false_exports_no_engine_metrics(emulated_cluster, tiny_model_dir):
+def test_log_engine_metrics_false_exports_no_engine_metrics(serve_url, tiny_model_dir):
     from prometheus_client.parser import text_string_to_metric_families
     from ray import serve
 
@@ -259,11 +252,9 @@ def test_log_engine_metrics_false_exports_no_engine_metrics(emulated_cluster, ti
         engine_kwargs={"max_model_len": 64, "max_num_seqs": 2},
         log_engine_metrics=False,
     )
-    port = _free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="quiet", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+        url = serve_url
         body = {"model": "quiet", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -272,4 +263,4 @@ def test_log_engine_metrics_false_exports_no_engine_metrics(emulated_cluster, ti
         assert "http_requests_total" in names  # /metrics works and counts the request ...
         assert not {n for n in names if n.startswith("vllm:")}  # ... but records no engine metric
     finally:
-        serve.shutdown()
+        serve.delete("quiet")

@@ -230,7 +230,14 @@ def test_build_openai_app_validates_before_reserving(tiny_model_dir):
     missing = {"model_loading_config": {"model_id": "m", "model_source": "/does/not/exist"}}
     with pytest.raises(ValueError, match=r"'/does/not/exist' is not a model directory with a config.json"):
         build_openai_app(LLMServingArgs(llm_configs=[missing]))
+    from ray import serve
+
     app = build_openai_app(
         {"llm_configs": [{"model_loading_config": {"model_id": "t", "model_source": tiny_model_dir}}]}
     )
-    assert app is not None  # a bound Serve application; nothing runs until serve.run
+    # a bound Serve application (nothing runs until serve.run): the one model's deployment, its config
+    assert isinstance(app, serve.Application)
+    deployment = app._bound_deployment
+    assert deployment.name == "LLMServer:t"
+    (config,), model_ids, _api_key = deployment.init_args
+    assert model_ids == ["t"] and config.model_id == "t" and config.model_source == tiny_model_dir

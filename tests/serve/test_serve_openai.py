@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
-import time
 
 import httpx
 import openai
@@ -16,43 +14,28 @@ import pytest
 from _configs import MAX_MODEL_LEN, tiny_tp4_config
 from _vllm_fields import VLLM_REFUSED
 
+from _util import live_placement_groups, new_placement_groups
+
 API_KEY = "test-key"
 EMBED_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def live_pgs() -> set[str]:
-    import ray
-
-    return {k for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
-
-
 @pytest.fixture(scope="module")
-def server(emulated_cluster, tiny_model_dir):
+def server(serve_url, tiny_model_dir):
     import ray
     from ray import serve
 
     from tpuray.serve.llm import LLMServingArgs, build_openai_app, minilm_config
 
-    before = live_pgs()
+    before = set(live_placement_groups())
     config = tiny_tp4_config(tiny_model_dir)
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
         app = build_openai_app(LLMServingArgs(llm_configs=[config, minilm_config()], api_key=API_KEY))
         serve.run(app, name="tpuray-llm", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_url
     finally:
-        serve.shutdown()
-        deadline = time.monotonic() + 30
-        while live_pgs() - before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not live_pgs() - before, "the replica's slice placement group was not released"
+        serve.delete("tpuray-llm")
+        assert not new_placement_groups(before), "the replica's slice placement group was not released"
         assert ray.is_initialized()
 
 
@@ -292,14 +275,11 @@ def single(server, tiny_model_dir):
 
     args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
     assert args.one_deployment
-    before = live_pgs()
+    before = set(live_placement_groups())
     serve.run(build_openai_app(args), name="tpuray-single", route_prefix="/single")
     yield server + "/single"
     serve.delete("tpuray-single")
-    deadline = time.monotonic() + 30
-    while live_pgs() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not live_pgs() - before, "the single deployment's slice placement group was not released"
+    assert not new_placement_groups(before), "the single deployment's slice placement group was not released"
 
 
 def test_single_model_app_is_one_deployment(single, client):

@@ -6,7 +6,6 @@ reference. Skipped where vLLM is not installed (`make test` installs it)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +13,7 @@ import openai
 import pytest
 from _schemas import PERSON
 
+from _util import live_placement_groups, new_placement_groups
 from tpuray.serve.llm.engine import vllm_available
 
 pytestmark = pytest.mark.skipif(
@@ -30,20 +30,6 @@ ENGINE_KWARGS = {
     "enable_auto_tool_choice": True,  # vLLM's OpenAI layer: tools with the hermes parser
     "tool_call_parser": "hermes",
 }
-
-
-def _live_pgs() -> set[str]:
-    import ray
-
-    return {k for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +72,18 @@ def configs(model_dir: str):
 
 
 @pytest.fixture(scope="module")
-def app(emulated_cluster, vllm_model_dir):
+def app(serve_url, vllm_model_dir):
     from ray import serve
 
     from tpuray.serve.llm import LLMServingArgs, build_openai_app
 
-    before = _live_pgs()
-    port = _port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    before = set(live_placement_groups())
     try:
         args = LLMServingArgs(llm_configs=configs(vllm_model_dir), api_key=API_KEY)
         serve.run(build_openai_app(args), name="tpuray-vllm", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", before
+        yield serve_url, before
     finally:
-        serve.shutdown()
+        serve.delete("tpuray-vllm")
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +119,22 @@ def test_vllm_runs_on_the_emulated_slice(app):
     assert cpu["slice"] is None and cpu["tensor_parallel_size"] == 1
 
 
+def _alive_actors() -> list:
+    """The GCS actor table itself (the emulated cluster runs no dashboard for ray.util.state)."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    table = state._connect_and_get_accessor().get_actor_table(None, "ALIVE")
+    return [gcs_pb2.ActorTableData.FromString(raw) for raw in table]
+
+
 def test_vllm_workers_hold_the_slices_chips(app):
     """vLLM's Ray executor starts its workers inside the slice's placement group, one chip each, on the
     slice's host: not in a placement group of its own elsewhere."""
     from ray import serve
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
 
     info = serve.get_deployment_handle(f"LLMServer:{TP4}", app_name="tpuray-vllm").describe.remote().result()
-    # the GCS actor table itself (the emulated cluster runs no dashboard for ray.util.state)
-    table = state._connect_and_get_accessor().get_actor_table(None, "ALIVE")
-    rows = [gcs_pb2.ActorTableData.FromString(raw) for raw in table]
+    rows = _alive_actors()
     workers = [r for r in rows if r.class_name.startswith("RayWorker")]  # vLLM 0.29: RayWorkerProc
     assert len(workers) == 4, [r.class_name for r in rows]  # TP=4; TP=1 runs in its replica's process
     for w in workers:
@@ -156,15 +145,20 @@ def test_vllm_workers_hold_the_slices_chips(app):
 
 
 def test_the_replica_log_says_the_slice_is_emulated(app):
+    """The TP=4 replica's own log (its worker's stderr, where a warning lands) says so; the TP=1 replica's
+    (vLLM on the CPU, no slice) does not."""
     import ray
 
-    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    said = [
-        f.name
-        for f in Path(logs).rglob("*")
-        if f.is_file() and "EMULATED TPU chips" in f.read_text(errors="replace")
-    ]
-    assert said, f"no log under {logs} says the vLLM engine runs on EMULATED TPU chips"
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    actors = _alive_actors()
+    for model, emulated in ((TP4, True), (TP1, False)):
+        (replica,) = [r for r in actors if r.class_name == f"ServeReplica:tpuray-vllm:LLMServer:{model}"]
+        (log,) = logs.glob(f"worker-{replica.address.worker_id.hex()}-*-{replica.pid}.err")
+        text = log.read_text(errors="replace")
+        said = [line for line in text.splitlines() if "EMULATED TPU chips" in line]
+        assert bool(said) == emulated, f"{model}: {log} says {said}"
+        if emulated:
+            assert said[0].startswith(f"{TP4}: vLLM engine up: "), said
 
 
 def test_openai_sampling_fields_pass_through_to_vllm(client, hf):
@@ -431,9 +425,8 @@ def test_deleting_the_app_releases_the_slice(app):
     from ray import serve
 
     before = app[1]
-    assert _live_pgs() - before  # the TP=4 replica holds its slice while it runs
+    assert set(live_placement_groups()) - before  # the TP=4 replica holds its slice while it runs
     serve.delete("tpuray-vllm")
-    deadline = time.monotonic() + 60
-    while _live_pgs() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _live_pgs() - before, "the replica's slice placement group was not released"
+    assert not new_placement_groups(before, timeout_s=60), (
+        "the replica's slice placement group was not released"
+    )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
 
+from _util import live_placement_groups
 from tpuray import SlicePlacementGroup, slice_placement_group
 from tpuray.slices import SliceReservationTimeout, list_slices
 
@@ -22,10 +24,6 @@ class ChipProbe:
             "visible": os.environ.get("TPU_VISIBLE_CHIPS"),
             "env": process_env(),
         }
-
-
-def _live_pg_count() -> int:
-    return sum(1 for v in ray.util.placement_group_table().values() if v["state"] != "REMOVED")
 
 
 def test_reserve_one_slice(emulated_cluster, pg_leak_check) -> None:
@@ -44,6 +42,12 @@ def test_reserve_one_slice(emulated_cluster, pg_leak_check) -> None:
         info = ray.get(probe.info.remote(), timeout=300)
         assert info["tpu_name"] == name and info["visible"] == "0,1,2,3"
         ray.kill(probe)
+        # Ray's head placement groups (one per slice) claimed it; dropping them keeps the chips held
+        (head,) = spg.head_placement_groups
+        assert head.bundle_specs == [{"TPU-v6e-4-head": 1.0}]
+        spg.release_head_pgs()
+        assert spg.head_placement_groups == [] and spg.placement_group is not None
+        assert [s for s in list_slices() if s.name == name][0].free_chips == 0
     assert spg.placement_group is None
     spg.shutdown()  # idempotent
 
@@ -53,14 +57,23 @@ def test_two_reservations_never_share_and_a_third_times_out(emulated_cluster, pg
     b = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
     try:
         assert set(a.slice_names) | set(b.slice_names) == {s.name for s in emulated_cluster.slices}
-        live = _live_pg_count()
+        live = len(live_placement_groups())
         with pytest.raises(SliceReservationTimeout) as err:
             SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=2)
         msg = str(err.value)
         assert "v6e-4" in msg and "2x2" in msg and "released" in msg
         assert all(s.name in msg for s in emulated_cluster.slices)  # names what exists
         assert isinstance(err.value, TimeoutError)
-        assert _live_pg_count() <= live  # the failed attempt left nothing behind
+        assert len(live_placement_groups()) <= live  # the failed attempt left nothing behind
+        # Ray's head_reservation_timeout_s bounds the wait for the slice heads; timeout_s still bounds it all
+        start = time.monotonic()
+        with pytest.raises(SliceReservationTimeout) as err:
+            SlicePlacementGroup(
+                topology="2x2", accelerator_version="v6e", head_reservation_timeout_s=1, timeout_s=120
+            )
+        assert time.monotonic() - start < 60
+        assert "within 120s" in str(err.value) and "head_reservation_timeout_s=1s" in str(err.value)
+        assert len(live_placement_groups()) <= live
     finally:
         a.shutdown()
         b.shutdown()
@@ -104,10 +117,10 @@ def test_busy_hosts_time_out_and_release_everything(emulated_cluster, pg_leak_ch
     hog = ChipProbe.options(resources={"TPU": 1, free: 0.01}).remote()
     try:
         ray.get(hog.info.remote(), timeout=300)
-        live = _live_pg_count()
+        live = len(live_placement_groups())
         with pytest.raises(SliceReservationTimeout, match="could not be placed"):
             SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=3)
-        assert _live_pg_count() == live
+        assert len(live_placement_groups()) == live
     finally:
         ray.kill(hog)
         held.shutdown()
@@ -122,6 +135,7 @@ def test_busy_hosts_time_out_and_release_everything(emulated_cluster, pg_leak_ch
         ({"topology": "2x2", "accelerator_version": "v6e", "strategy": "EVERYWHERE"}, "EVERYWHERE"),
         ({"topology": "2x2", "accelerator_version": "v6e", "resources_per_bundle": {"TPU": 3}}, "TPU=3"),
         ({"topology": "2x2", "accelerator_version": "v6e", "timeout_s": -1}, "timeout_s"),
+        ({"topology": "2x2", "accelerator_version": "v6e", "head_reservation_timeout_s": 0}, "head_res"),
         ({"topology": "2x2", "accelerator_version": "v6e", "chips_per_vm": 8}, "chips_per_vm"),
         ({"topology": "2x2", "accelerator_version": "v6e", "bundle_label_selector": [{}, {}]}, "one per"),
     ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tpuray.topology import ChipPlacement, SliceTopology
@@ -145,18 +145,31 @@ def test_hosts_own_contiguous_ici_blocks(t):
 
 @settings(max_examples=40, deadline=None)
 @given(SLICES)
+@example(SliceTopology.parse("v6e", "4x4"))  # always a multi-host 2D and 3D slice among the examples
+@example(SliceTopology.parse("v4", "4x4x8"))
 def test_neighbouring_ranks_are_ici_neighbours(t):
     """Rank r and r+1 are ICI neighbours whenever they sit on the same host row (only the fastest
     dimension changes); and hosts h, h+1 that are adjacent in the host grid hold adjacent blocks."""
     layout = t.layout()
-    for a, b in zip(layout, layout[1:], strict=False):
-        if a.host == b.host and a.coords[0] == b.coords[0] and a.coords[2] == b.coords[2]:
-            assert t.are_ici_neighbors(a.coords, b.coords), (a, b)
-    for h in range(t.num_hosts - 1):
-        ha, hb = t.host_coords(h), t.host_coords(h + 1)
-        if sum(abs(x - y) for x, y in zip(ha, hb, strict=True)) == 1:
-            mine = {p.coords for p in t.host_chips(h)}
-            assert any(n in mine for p in t.host_chips(h + 1) for n in t.ici_neighbors(p.coords))
+    same_row = [
+        (a, b)
+        for a, b in zip(layout, layout[1:], strict=False)
+        if a.host == b.host and a.coords[0] == b.coords[0] and a.coords[2] == b.coords[2]
+    ]
+    for a, b in same_row:
+        assert t.are_ici_neighbors(a.coords, b.coords), (a, b)
+    # not vacuous: every host has host_shape[0] rows of host_shape[1] chips (hosts are 2D: z is 1)
+    sx, sy, sz = t.host_shape
+    assert sz == 1 and len(same_row) == t.num_hosts * sx * (sy - 1), (t, len(same_row))
+    adjacent = [
+        h
+        for h in range(t.num_hosts - 1)
+        if sum(abs(x - y) for x, y in zip(t.host_coords(h), t.host_coords(h + 1), strict=True)) == 1
+    ]
+    for h in adjacent:
+        mine = {p.coords for p in t.host_chips(h)}
+        assert any(n in mine for p in t.host_chips(h + 1) for n in t.ici_neighbors(p.coords)), h
+    assert adjacent or t.num_hosts == 1  # hosts 0 and 1 are always neighbours in the host grid
 
 
 @settings(max_examples=40, deadline=None)

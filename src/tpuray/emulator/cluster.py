@@ -92,6 +92,14 @@ def _vllm_env() -> dict[str, str]:
     }
 
 
+# The GCS health-checks every raylet each `health_check_period_ms` and declares it dead after
+# `health_check_failure_threshold` failures in a row. Ray's default period (3 s) makes a killed emulated host
+# (kill_host, a preemption's kill) take ~15 s to be seen dead; every emulated host is a local process, so a
+# refused check is certain and a short period is enough (~2.5 s). A live but busy raylet still needs 5
+# checks timing out (Ray's default timeout and threshold) before it is declared dead.
+_GCS_SYSTEM_CONFIG = {"health_check_period_ms": 500}
+
+
 def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> Any:
     """cluster.add_node, retried when Ray's fixed 30 s node-registration wait runs out (a loaded machine).
 
@@ -212,6 +220,7 @@ class EmulatedCluster:
                     object_store_memory=self.object_store_bytes,
                     env_vars=_vllm_env(),
                     labels={ROLE_LABEL: "head"},
+                    _system_config=dict(_GCS_SYSTEM_CONFIG),
                 )
             ip = ray.util.get_node_ip_address()
             # Hostnames: every emulated host lives on this machine, so they all resolve to its IP.
@@ -369,9 +378,6 @@ class EmulatedCluster:
     @property
     def num_hosts(self) -> int:
         return sum(len(sl.hosts) for sl in self.slices)
-
-    def layout_key(self) -> tuple:
-        return tuple(sorted(r.key() for r in self.requests))
 
     def describe(self) -> str:
         parts = []

@@ -13,6 +13,7 @@ placement group it created is removed and SliceReservationTimeout says what was 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -89,10 +90,12 @@ class SlicePlacementGroup:
         check_choice("strategy", strategy, PLACEMENT_STRATEGIES)
         if lifetime not in (None, "detached"):
             raise ConfigError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
-        if head_reservation_timeout_s is not None:
-            timeout_s = head_reservation_timeout_s
-        if timeout_s is not None and (not isinstance(timeout_s, int | float) or timeout_s <= 0):
-            raise ConfigError(f"timeout_s must be a number > 0 or None (wait forever), got {timeout_s!r}")
+        for what, value in (
+            ("timeout_s", timeout_s),
+            ("head_reservation_timeout_s", head_reservation_timeout_s),
+        ):
+            if value is not None and (not is_number(value) or value <= 0):
+                raise ConfigError(f"{what} must be a number > 0 or None (wait forever), got {value!r}")
         self._bundle = _validate_bundle(resources_per_bundle, topo)
         self._bundles_per_host = topo.chips_per_host // int(self._bundle[TPU_RESOURCE])
         self._num_slices = num_slices
@@ -105,6 +108,7 @@ class SlicePlacementGroup:
         self._user_selector = bundle_label_selector or [{} for _ in range(self.num_bundles)]
         self._strategy, self._name, self._lifetime = strategy, name, lifetime
         self._timeout_s = timeout_s
+        self._head_timeout_s = head_reservation_timeout_s  # Ray's meaning: the wait for the head(s)
         self._slice_names: list[str] = []
         self._selector: list[dict[str, str]] = []
 
@@ -148,13 +152,17 @@ class SlicePlacementGroup:
                     lifetime=self._lifetime,
                 )
             )
+        head_wait = self._remaining(start)
+        if self._head_timeout_s is not None:
+            head_wait = min(self._head_timeout_s, head_wait if head_wait is not None else math.inf)
         ready, _ = ray.wait(
-            [pg.ready() for pg in self._head_pgs],
-            num_returns=self._num_slices,
-            timeout=self._remaining(start),
+            [pg.ready() for pg in self._head_pgs], num_returns=self._num_slices, timeout=head_wait
         )
         if len(ready) < self._num_slices:
-            self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved")
+            bound = ""
+            if self._head_timeout_s is not None and head_wait == self._head_timeout_s:
+                bound = f" within head_reservation_timeout_s={self._head_timeout_s}s"
+            self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved{bound}")
 
         node_of = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
         labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes()}

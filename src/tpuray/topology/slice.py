@@ -138,10 +138,6 @@ class SliceTopology:
     def num_hosts(self) -> int:
         return self.num_chips // self.chips_per_host
 
-    @property
-    def is_single_host(self) -> bool:
-        return self.num_hosts == 1
-
     @cached_property
     def host_shape(self) -> Coords:
         """Chips-per-host bounds: (2, 2, 1) for 4-chip hosts, the whole shape on a single host."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from tpuray.constants import PREEMPTION_NOTIFY_TIMEOUT_S, WORKER_CALL_TIMEOUT_S
+from tpuray.constants import DEADLINE_MARGIN_S, PREEMPTION_NOTIFY_TIMEOUT_S, WORKER_CALL_TIMEOUT_S
 from tpuray.slices.distributed import RankInfo, device_type_for
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_domains
 from tpuray.slices.group_start import start_group
@@ -45,7 +45,7 @@ from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
 
 logger = logging.getLogger("tpuray.train")
 POLL_S = 0.2
-DEADLINE_MARGIN_S = 1.0  # a preempted attempt stops this long before the deadline at the latest
+
 
 # (world rank, records it handed over) for every rank, in rank order
 OnRecords = Callable[[list[tuple[int, list[ReportRecord]]]], None]

@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from tpuray.constants import DEADLINE_MARGIN_S
 from tpuray.serve.llm.protocol import OpenAIError
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, draining_nodes
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a replica reads Ray's drain state
-DEADLINE_MARGIN_S = 1.0
+
 RETRY_S = 5.0  # between attempts to start a replacement (no free slice yet)
 
 

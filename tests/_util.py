@@ -1,0 +1,34 @@
+"""Helpers shared by test modules (tests/ is on sys.path: `from _util import free_port`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the socket is closed again on return)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live_placement_groups() -> dict[str, dict]:
+    """The connected cluster's placement groups that are not REMOVED, by id ({} when not connected)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    table = ray.util.placement_group_table()
+    return {pg_id: info for pg_id, info in table.items() if info.get("state") != "REMOVED"}
+
+
+def new_placement_groups(before: set[str] | dict, timeout_s: float = 30.0) -> dict[str, dict]:
+    """Live placement groups not in `before`, once none is left or `timeout_s` has passed (removal is an
+    asynchronous GCS update): {} when every placement group made since `before` was released."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {k: v for k, v in live_placement_groups().items() if k not in before}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
