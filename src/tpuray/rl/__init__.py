@@ -1,0 +1,16 @@
+"""Reinforcement-learning substrate (issue 23): a rollout engine with weight updates, for frameworks
+such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See docs/rl.md.
+
+- `RolloutConfig`, `RolloutEngine`: batched `generate(prompts, SamplingParams) -> list[Rollout]` over
+  tpuray's embedded engine, in this process or tensor parallel on a TPU slice; `update_weights(state)`
+  (checked before anything is written), `sleep()` / `wake_up()`, `shutdown()`.
+- `weights`: the Hugging Face name <-> engine tensor mapping (one place).
+"""
+
+from __future__ import annotations
+
+from tpuray.rl.config import RolloutConfig
+from tpuray.rl.engine import Rollout, RolloutEngine, UpdateStats
+from tpuray.rl.weights import WeightMismatchError
+
+__all__ = ["Rollout", "RolloutConfig", "RolloutEngine", "UpdateStats", "WeightMismatchError"]
