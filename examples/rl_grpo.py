@@ -2,6 +2,7 @@
 
     python examples/rl_grpo.py                       # rollout engine in this process (CPU)
     python examples/rl_grpo.py --slice               # rollout engine TP=2 on an emulated v6e 2x2 slice
+    python examples/rl_grpo.py --colocate            # the engine sleeps (frees its memory) while training
     python examples/rl_grpo.py --png reward.png      # and plot the mean reward per iteration
 
 Each iteration: the rollout engine (`tpuray.rl.RolloutEngine`) samples a group of replies per prompt with
@@ -22,6 +23,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
@@ -74,8 +76,20 @@ def policy_step(model, optimizer, rollouts, advantages, clip: float = 0.2) -> tu
     return float(loss.detach()), gap
 
 
-def run(args: argparse.Namespace) -> list[float]:
-    """The GRPO loop; returns the mean reward of every iteration."""
+@dataclass
+class Iteration:
+    """One GRPO iteration: its mean reward and where its time went (seconds)."""
+
+    mean_reward: float
+    generate_s: float
+    reward_s: float
+    train_s: float
+    sync_s: float
+    sync_bytes: int
+
+
+def run(args: argparse.Namespace) -> list[Iteration]:
+    """The GRPO loop; returns every iteration's mean reward and time split."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -86,13 +100,13 @@ def run(args: argparse.Namespace) -> list[float]:
     torch.manual_seed(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="rl-grpo-"))
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
-    policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     slice_kwargs = (
         {"accelerator_type": "TPU-V6E", "topology": "2x2", "chips_per_worker": 2} if args.slice else {}
     )
     config = RolloutConfig(path, max_model_len=64, max_num_seqs=len(PROMPTS) * args.group, **slice_kwargs)
-    means: list[float] = []
+    history: list[Iteration] = []
     with RolloutEngine(config) as engine:
         print(
             f"rollout engine: tensor_parallel_size={engine.tensor_parallel_size} on {engine.describe()['slice']}"
@@ -106,21 +120,27 @@ def run(args: argparse.Namespace) -> list[float]:
             rewards = [reward(r.text, args.words) for r in rollouts]
             advantages = group_advantages(rewards, args.group)
             t2 = time.perf_counter()
+            if args.colocate:  # hand the chips' memory to the trainer for its step
+                engine.sleep()
             loss, gap = policy_step(policy, optimizer, rollouts, advantages)
             for _ in range(args.epochs - 1):  # more clipped steps on the same rollouts (PPO-style)
                 loss, _ = policy_step(policy, optimizer, rollouts, advantages)
             t3 = time.perf_counter()
-            stats = engine.update_weights(policy.state_dict())
+            stats = engine.update_weights(policy.state_dict())  # asleep: into the host copy
+            if args.colocate:
+                engine.wake_up()
             t4 = time.perf_counter()
-            means.append(statistics.fmean(rewards))
+            history.append(
+                Iteration(statistics.fmean(rewards), t1 - t0, t2 - t1, t3 - t2, t4 - t3, stats.bytes_written)
+            )
             print(
-                f"iter {it:3d}  mean_reward {means[-1]:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
+                f"iter {it:3d}  mean_reward {history[-1].mean_reward:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
                 f"generate {t1 - t0:.2f}s reward {t2 - t1:.3f}s train {t3 - t2:.2f}s "
                 f"sync {t4 - t3:.2f}s ({stats.bytes_written / 1e6:.1f} MB)",
                 flush=True,
             )
         print("sample:", repr(rollouts[0].text))
-    return means
+    return history
 
 
 def plot(means: list[float], png: str) -> None:
@@ -150,6 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slice", action="store_true", help="rollout engine on an emulated v6e 2x2 slice")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="sleep the rollout engine while the trainer steps (chip hand-over)",
+    )
     parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
     parser.add_argument("--png", default=None, help="plot the mean reward per iteration to this file")
     args = parser.parse_args(argv)
@@ -159,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def main(argv: list[str] | None = None) -> list[Iteration]:
     args = parse_args(argv)
     cluster = None
     if args.slice:
@@ -174,20 +199,21 @@ def main(argv: list[str] | None = None) -> list[float]:
             cluster.start()
             cluster.connect()
     try:
-        means = run(args)
+        history = run(args)
     finally:
         if cluster is not None:
             import ray
 
             ray.shutdown()
             cluster.shutdown()
+    means = [it.mean_reward for it in history]
     k = max(1, len(means) // 5)
     print(
         f"mean reward: first {k} iterations {statistics.fmean(means[:k]):.3f}, last {k} {statistics.fmean(means[-k:]):.3f}"
     )
     if args.png:
         plot(means, args.png)
-    return means
+    return history
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def test_reward_and_advantages(grpo):
 
 
 def test_grpo_in_process_raises_the_mean_reward(grpo, capsys, tmp_path):
-    means = grpo.run(grpo.parse_args(["--iterations", "30"]))
+    history = grpo.run(grpo.parse_args(["--iterations", "30"]))
+    means = [it.mean_reward for it in history]
     assert len(means) == 30 and all(0.0 <= m <= 1.0 for m in means)
     assert statistics.fmean(means[-8:]) > statistics.fmean(means[:8]) + 0.05, means
     out = capsys.readouterr().out
@@ -46,8 +47,8 @@ def test_grpo_in_process_raises_the_mean_reward(grpo, capsys, tmp_path):
 
 
 def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, grpo, capsys):
-    means = grpo.run(grpo.parse_args(["--iterations", "3", "--group", "4", "--slice"]))
-    assert len(means) == 3
+    history = grpo.run(grpo.parse_args(["--iterations", "3", "--group", "4", "--slice", "--colocate"]))
+    assert len(history) == 3 and all(it.sync_bytes > 0 and it.generate_s > 0 for it in history)
     out = capsys.readouterr().out
     assert "tensor_parallel_size=2" in out and "EMULATED TPU" in out
     pg_leak_check()

@@ -87,6 +87,14 @@ def test_update_weights_in_process(tiny_models, reference):
         del bad["model.layers.1.mlp.up_proj.weight"]
         with pytest.raises(WeightMismatchError, match="'model.layers.1.mlp.up_proj.weight' .* is missing"):
             engine.update_weights(bad)
+        with pytest.raises(
+            WeightMismatchError, match="'model.norm.weight' has dtype torch.int64; valid: a floating"
+        ):
+            engine.update_weights(
+                {**_state_dict(tiny_models[0]), "model.norm.weight": torch.zeros(128, dtype=torch.long)}
+            )
+        with pytest.raises(WeightMismatchError, match="'model.norm.weight' is a list, not a torch.Tensor"):
+            engine.update_weights({**_state_dict(tiny_models[0]), "model.norm.weight": [0.0] * 128})
         with pytest.raises(WeightMismatchError, match="unknown tensor 'extra.weight'"):
             engine.update_weights({**_state_dict(tiny_models[0]), "extra.weight": torch.zeros(1)})
         assert _greedy(engine) == reference["b"] and engine.version == 1

@@ -101,11 +101,22 @@ def check_state(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]
 
 
 def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """name -> shape of a state dict; a value that is not a tensor is a WeightMismatchError."""
+    """name -> shape of a state dict; a value that is not a full floating-point tensor is a
+    WeightMismatchError."""
     out = {}
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise WeightMismatchError(f"weight update: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if type(t).__name__ == "DTensor":
+            raise WeightMismatchError(
+                f"weight update: {name!r} is a DTensor (an FSDP2 / tensor-parallel trainer's shard); send "
+                "full tensors (DTensor.full_tensor() on the trainer) - sharded sync is not implemented yet "
+                "(docs/rl.md)"
+            )
+        if not t.is_floating_point():
+            raise WeightMismatchError(
+                f"weight update: {name!r} has dtype {t.dtype}; valid: a floating-point dtype"
+            )
         out[name] = tuple(t.shape)
     return out
 
