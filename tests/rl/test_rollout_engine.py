@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
+from tpuray.rl import RolloutConfig, RolloutEngine, RolloutEngineError, WeightMismatchError
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.validation import ConfigError
 
@@ -139,6 +139,37 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
         engine.update_weights(refs)
         engine.wake_up()
         assert _greedy(engine) == reference["a"]
+    finally:
+        engine.shutdown()
+    pg_leak_check()
+
+
+def test_update_weights_casts_to_the_engine_dtype(tiny_models):
+    """A float32 trainer state into a bfloat16 engine: the same tokens as the engine loaded from disk."""
+    cfg = {"max_model_len": 64, "max_num_seqs": 4, "dtype": "bfloat16"}
+    with RolloutEngine(RolloutConfig(tiny_models[1], **cfg)) as engine:
+        want = _greedy(engine)
+    with RolloutEngine(RolloutConfig(tiny_models[0], **cfg)) as engine:
+        engine.update_weights(_state_dict(tiny_models[1]))
+        assert _greedy(engine) == want
+
+
+def test_a_dead_worker_fails_generate_and_shutdown_frees_the_slice(
+    emulated_cluster, pg_leak_check, tiny_models
+):
+    import ray
+
+    cfg = RolloutConfig(
+        tiny_models[0], accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
+    )
+    engine = RolloutEngine(cfg)
+    try:
+        assert engine.group is not None
+        ray.kill(engine.group.actors[1], no_restart=True)
+        with pytest.raises(RolloutEngineError, match="a rollout worker of .* died"):
+            engine.generate(PROMPTS, GREEDY)
+        with pytest.raises(RolloutEngineError, match="update_weights: a rollout worker failed earlier"):
+            engine.update_weights(_state_dict(tiny_models[1]))
     finally:
         engine.shutdown()
     pg_leak_check()

@@ -10,7 +10,14 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
 from __future__ import annotations
 
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout, RolloutEngine, UpdateStats
+from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
 from tpuray.rl.weights import WeightMismatchError
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutEngine", "UpdateStats", "WeightMismatchError"]
+__all__ = [
+    "Rollout",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutEngineError",
+    "UpdateStats",
+    "WeightMismatchError",
+]

@@ -36,6 +36,11 @@ from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 logger = logging.getLogger(__name__)
 
 
+class RolloutEngineError(RuntimeError):
+    """A rollout worker died (or its process group broke): the engine cannot generate or take weights
+    any more; `shutdown()` it (which releases the slice) and start a new one."""
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One generated sequence: the prompt's and the completion's token ids, the log-probability of each
@@ -95,6 +100,7 @@ class RolloutEngine:
         self._loop = asyncio.Runner()
         self._asleep = False
         self._closed = False
+        self.failure: BaseException | None = None  # a worker's death: the engine is unusable
         self.version = 0  # weight updates committed
         self._local: RunnerWeights | None = None
         try:
@@ -133,6 +139,18 @@ class RolloutEngine:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"RolloutEngine.{what} after shutdown()")
+        if self.failure is not None:
+            raise RolloutEngineError(
+                f"RolloutEngine.{what}: a rollout worker failed earlier ({type(self.failure).__name__}); "
+                "shutdown() this engine and start a new one"
+            ) from self.failure
+
+    def _failed(self, e: BaseException) -> RolloutEngineError:
+        self.failure = e
+        return RolloutEngineError(
+            f"a rollout worker of {self._engine.group!r} died ({type(e).__name__}: {e}); the engine cannot "
+            "continue: shutdown() it and start a new one"
+        )
 
     # -- generate -----------------------------------------------------------------------------------------
     def generate(
@@ -143,7 +161,9 @@ class RolloutEngine:
         """One Rollout per prompt (a text, tokenized without special tokens, or token ids), in order. One
         SamplingParams for all or one per prompt; logprobs of the chosen tokens are always returned.
         Prompt i samples with generator index i, so a seeded batch of repeated prompts gives distinct,
-        reproducible samples."""
+        reproducible samples. A dead worker raises RolloutEngineError."""
+        import ray
+
         self._check_open("generate")
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
             raise TypeError(
@@ -162,7 +182,10 @@ class RolloutEngine:
         with self._lock:
             if self._asleep:
                 raise RuntimeError("RolloutEngine.generate while asleep: call wake_up() first")
-            return self._loop.run(self._generate_all(ids, per_prompt))
+            try:
+                return self._loop.run(self._generate_all(ids, per_prompt))
+            except ray.exceptions.RayActorError as e:
+                raise self._failed(e) from e
 
     @staticmethod
     def _params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -218,7 +241,10 @@ class RolloutEngine:
                 finally:
                     self._local.discard()
             else:
-                written = self._update_workers(update)
+                try:
+                    written = self._update_workers(update)
+                except ray.exceptions.RayActorError as e:
+                    raise self._failed(e) from e
             self.version += 1
         return UpdateStats(written, time.perf_counter() - start, self.version)
 
@@ -263,7 +289,10 @@ class RolloutEngine:
         if self._local is not None:
             return int(getattr(self._local, method)())
         assert self._engine.group is not None
-        return sum(ray.get(self._engine.group.call(method)))
+        try:
+            return sum(ray.get(self._engine.group.call(method)))
+        except ray.exceptions.RayActorError as e:
+            raise self._failed(e) from e
 
     # -- shutdown -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -272,6 +301,11 @@ class RolloutEngine:
             return
         self._closed = True
         try:
+            group = self._engine.group
+            if group is not None and self.failure is not None:
+                group.shutdown(
+                    graceful=False
+                )  # the live ranks may be stuck in a collective with the dead one
             self._engine.shutdown()
         finally:
             self._loop.close()
