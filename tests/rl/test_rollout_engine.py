@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpuray.rl import RolloutConfig, RolloutEngine, RolloutEngineError, WeightMismatchError
+from tpuray.rl import (
+    RolloutConfig,
+    RolloutEngine,
+    RolloutEngineError,
+    ShardedUpdate,
+    WeightMismatchError,
+    put_shards,
+)
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.validation import ConfigError
 
@@ -139,6 +146,25 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
         engine.update_weights(refs)
         engine.wake_up()
         assert _greedy(engine) == reference["a"]
+        # pre-cut per rank where the state lives: each rank receives only its part
+        state_b = _state_dict(tiny_models[1])
+        full = sum(t.numel() * t.element_size() for t in state_b.values())
+        with pytest.raises(
+            WeightMismatchError, match="tensor_parallel_size=4; this engine runs tensor_parallel_size=2"
+        ):
+            engine.update_weights(put_shards(state_b, engine.model_config, 4))
+        sharded = put_shards(state_b, engine.model_config, 2)
+        assert all(n < full for n in sharded.nbytes)
+        bad = ray.get(sharded.refs[1])
+        bad["layers.1.gate_up"] = bad["layers.1.gate_up"][:-1]
+        with pytest.raises(
+            WeightMismatchError,
+            match=r"shard 'layers.1.gate_up' has shape \(255, 128\); expected \(256, 128\)",
+        ):
+            engine.update_weights(ShardedUpdate((sharded.refs[0], ray.put(bad)), sharded.nbytes))
+        assert _greedy(engine) == reference["a"]
+        engine.update_weights(sharded)
+        assert _greedy(engine) == reference["b"]
     finally:
         engine.shutdown()
     pg_leak_check()

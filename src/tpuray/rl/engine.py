@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
 from tpuray.rl.worker import RolloutWorker, RunnerWeights
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
@@ -226,17 +226,27 @@ class RolloutEngine:
         unknown or misshapen tensor raises WeightMismatchError naming it and the expected shape, and the
         engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice the update
         goes through Ray's object store (put once; every worker pulls it and keeps only its own
-        tensor-parallel shard)."""
+        tensor-parallel shard). A `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives)
+        sends each rank only its part; its tensor_parallel_size must be the engine's."""
         import ray
 
         self._check_open("update_weights")
         start = time.perf_counter()
-        if isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
+        if isinstance(update, ShardedUpdate):
+            if update.tensor_parallel_size != self.tensor_parallel_size:
+                raise WeightMismatchError(
+                    f"a ShardedUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine "
+                    f"runs tensor_parallel_size={self.tensor_parallel_size}"
+                )
+        elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
         with self._lock:
             if self._local is not None:
                 try:
-                    self._local.stage(update)
+                    if isinstance(update, ShardedUpdate):
+                        self._local.stage_shards(update.refs[0])
+                    else:
+                        self._local.stage(update)
                     written = self._local.commit()
                 finally:
                     self._local.discard()
@@ -254,9 +264,12 @@ class RolloutEngine:
         group = self._engine.group
         if group is None:
             raise RuntimeError("RolloutEngine.update_weights after shutdown()")
-        ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
         try:
-            ray.get(group.call("stage_weights", ref))
+            if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
+                ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
+            else:
+                ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
+                ray.get(group.call("stage_weights", ref))
         except ray.exceptions.RayTaskError as e:
             ray.get(group.call("discard_weights"))
             cause = getattr(e, "cause", None)

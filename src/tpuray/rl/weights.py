@@ -12,12 +12,16 @@ loading the same checkpoint from disk would:
   the first one and the expected shape (before anything is written);
 - `shard_state(state, config, rank, world_size)`: this rank's fused tensors, keyed by `engine_tensors`'s
   names;
-- `engine_tensors(model)`: the engine's own tensors under those names (what an update overwrites in place).
+- `engine_tensors(model)`: the engine's own tensors under those names (what an update overwrites in place);
+- `put_shards(state, config, tensor_parallel_size)`: on the sender (a trainer rank), cut every rank's
+  shards and put each in Ray's object store: a `ShardedUpdate`, so that each engine rank receives only its
+  part; `check_shards` is the receiving rank's check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -188,3 +192,69 @@ def copy_shards(model: Any, shards: Mapping[str, torch.Tensor]) -> int:
             dest[key].copy_(t)
             written += t.numel() * dest[key].element_size()
     return written
+
+
+@dataclass(frozen=True)
+class ShardedUpdate:
+    """A weight update already cut per tensor-parallel rank: `refs[r]` is an ObjectRef of rank r's shards
+    (keyed like `engine_tensors`). Made by `put_shards`; pass it to `RolloutEngine.update_weights`."""
+
+    refs: tuple[Any, ...]
+    nbytes: tuple[int, ...]  # bytes of each rank's shards
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.refs)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """t, or a compact copy when it is a view of a bigger storage (pickling a view sends its whole
+    storage)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
+def put_shards(
+    state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tensor_parallel_size: int
+) -> ShardedUpdate:
+    """Check a full HF state dict against the model of `config` (WeightMismatchError names the first
+    mismatch), cut each tensor-parallel rank's shards and `ray.put` them, one object per rank. Run it
+    where the state dict lives (e.g. a trainer's rank 0): only the refs travel from there."""
+    import ray
+
+    if not ray.is_initialized():  # ray.put would start a private local cluster the engine is not on
+        raise RuntimeError("put_shards needs this process connected to the engine's Ray cluster (ray.init)")
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is invalid; valid: an integer >= 1")
+    check_state(shapes_of(state), config)
+    refs, sizes = [], []
+    for rank in range(tensor_parallel_size):
+        shards = {
+            k: _own_storage(t) for k, t in shard_state(state, config, rank, tensor_parallel_size).items()
+        }
+        refs.append(ray.put(shards))
+        sizes.append(sum(t.numel() * t.element_size() for t in shards.values()))
+    return ShardedUpdate(tuple(refs), tuple(sizes))
+
+
+def check_shards(shards: Any, model: Any) -> None:
+    """A rank's pre-cut shards against its model's tensors: WeightMismatchError naming the first missing,
+    unknown or misshapen one (with the expected shape)."""
+    if not isinstance(shards, Mapping):
+        raise WeightMismatchError(f"a sharded update must hold a dict per rank, got {type(shards).__name__}")
+    dest = engine_tensors(model)
+    for key, t in shards.items():
+        if key not in dest:
+            raise WeightMismatchError(
+                f"sharded weight update: unknown shard {key!r}; expected names like {next(iter(dest))!r}"
+            )
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise WeightMismatchError(f"sharded weight update: shard {key!r} is not a floating-point tensor")
+        if tuple(t.shape) != tuple(dest[key].shape):
+            raise WeightMismatchError(
+                f"sharded weight update: shard {key!r} has shape {tuple(t.shape)}; expected {tuple(dest[key].shape)}"
+            )
+    missing = [k for k in dest if k not in shards]
+    if missing:
+        raise WeightMismatchError(
+            f"sharded weight update: shard {missing[0]!r} (shape {tuple(dest[missing[0]].shape)}) is missing"
+        )

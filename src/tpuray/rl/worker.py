@@ -18,6 +18,7 @@ import torch
 
 from tpuray.rl.weights import (
     WeightMismatchError,
+    check_shards,
     check_state,
     copy_shards,
     engine_tensors,
@@ -66,6 +67,18 @@ class RunnerWeights:
         state = resolve_update(update)
         check_state(shapes_of(state), self.config)
         self.staged = shard_state(state, self.config, self.rank, self.world_size)
+        return sum(t.numel() * t.element_size() for t in self.staged.values())
+
+    def stage_shards(self, shards: Any) -> int:
+        """Stage this rank's pre-cut shards (a `put_shards` object, resolved by Ray); checked against the
+        model's tensors (or the host copy while asleep) like `stage`."""
+        import ray
+
+        self.staged = None
+        if isinstance(shards, ray.ObjectRef):
+            shards = ray.get(shards)
+        check_shards(shards, self.runner.model if self.host_copy is None else _Holder(self.host_copy))
+        self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
     def commit(self) -> int:
@@ -160,6 +173,9 @@ class RolloutWorker(EngineWorker):
 
     def stage_weights(self, update: Any) -> int:
         return self._w().stage(update)
+
+    def stage_shards(self, shards: Any) -> int:
+        return self._w().stage_shards(shards)
 
     def commit_weights(self) -> int:
         return self._w().commit()
