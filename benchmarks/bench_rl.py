@@ -36,6 +36,11 @@ def _puller_class():
 def bench_sync(args: argparse.Namespace) -> tuple[float, float, float, int]:
     """(median sync seconds, median pre-sharded sync seconds (put_shards + update_weights), median anchor
     seconds, bytes of the state dict)."""
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
+        return _bench_sync(args, Path(root))
+
+
+def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, float, int]:
     import ray
     import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -44,7 +49,6 @@ def bench_sync(args: argparse.Namespace) -> tuple[float, float, float, int]:
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RolloutConfig, RolloutEngine, put_shards
 
-    root = Path(tempfile.mkdtemp(prefix="bench-rl-"))
     path = build_tiny_causal_lm(
         root / "m",
         hidden_size=args.hidden,

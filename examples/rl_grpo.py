@@ -90,6 +90,11 @@ class Iteration:
 
 def run(args: argparse.Namespace) -> list[Iteration]:
     """The GRPO loop; returns every iteration's mean reward and time split."""
+    with tempfile.TemporaryDirectory(prefix="rl-grpo-") as workdir:  # the model, removed afterwards
+        return _run(args, Path(workdir))
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +103,6 @@ def run(args: argparse.Namespace) -> list[Iteration]:
     from tpuray.serve.llm.engine.sampling import SamplingParams
 
     torch.manual_seed(args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="rl-grpo-"))
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
