@@ -313,6 +313,7 @@ class RolloutEngine:
         if self._closed:
             return
         self._closed = True
+        self._local = None  # drops the in-process runner's weights with the engine
         try:
             group = self._engine.group
             if group is not None and self.failure is not None:
