@@ -1,0 +1,87 @@
+"""`RolloutConfig`: what a `RolloutEngine` runs and where, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
+from tpuray.validation import ConfigError
+
+ROLLOUT_ENGINES = ("embedded",)  # vLLM: a later increment (docs/rl.md)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class RolloutConfig:
+    """A rollout engine over a local model directory (a Hugging Face checkpoint, e.g. one that
+    `tpuray.models.build_tiny_causal_lm` wrote).
+
+    Without `accelerator_type` the engine runs in this process on the CPU. With `accelerator_type` and
+    `topology` (e.g. "TPU-V6E", "2x2") it reserves one slice atomically, like a serving replica, and runs
+    one engine worker per `chips_per_worker` chips, tensor parallel over them (tensor_parallel_size =
+    chips / chips_per_worker)."""
+
+    model_source: str
+    accelerator_type: str | None = None
+    topology: str | None = None
+    chips_per_worker: int = 1
+    max_model_len: int = 512
+    max_num_seqs: int = 16
+    dtype: str = "auto"
+    engine: str = "embedded"
+    reservation_timeout_s: float = 120.0
+    runtime_env: dict[str, Any] | None = None
+    llm_config: LLMConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ROLLOUT_ENGINES:
+            raise ConfigError(
+                f"engine={self.engine!r} is not supported by tpuray.rl yet; valid: {', '.join(ROLLOUT_ENGINES)}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is invalid; valid: {', '.join(DTYPES)}")
+        for name in ("max_model_len", "max_num_seqs", "chips_per_worker"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} is invalid; valid: an integer >= 1")
+        if not isinstance(self.reservation_timeout_s, int | float) or self.reservation_timeout_s <= 0:
+            raise ConfigError(f"reservation_timeout_s={self.reservation_timeout_s!r} is invalid; valid: > 0")
+        if (self.accelerator_type is None) != (self.topology is None):
+            raise ConfigError(
+                f"accelerator_type={self.accelerator_type!r} and topology={self.topology!r}: give both "
+                "(a TPU slice, e.g. 'TPU-V6E' and '2x2') or neither (in this process, on the CPU)"
+            )
+        slice_kwargs: dict[str, Any] = {}
+        if self.accelerator_type is not None:
+            slice_kwargs = {
+                "accelerator_type": self.accelerator_type,
+                "accelerator_config": {"kind": "tpu", "topology": self.topology},
+                "placement_group_config": {"bundle_per_worker": {"TPU": self.chips_per_worker}},
+            }
+        elif self.chips_per_worker != 1:
+            raise ConfigError(
+                f"chips_per_worker={self.chips_per_worker} needs a slice (accelerator_type and topology); "
+                "valid without one: 1"
+            )
+        # LLMConfig checks the slice (topology, chip share); the workers check that TP divides the heads
+        self.llm_config = LLMConfig(
+            model_loading_config=ModelLoadingConfig(model_id="rollout", model_source=self.model_source),
+            llm_engine="embedded",
+            engine_kwargs={
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs,
+                "dtype": self.dtype,
+            },
+            runtime_env=self.runtime_env,
+            log_engine_metrics=False,
+            **slice_kwargs,
+        )
+
+    @property
+    def on_slice(self) -> bool:
+        return self.llm_config.topology is not None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.llm_config.tensor_parallel_size

@@ -1,0 +1,331 @@
+"""`RolloutEngine`: batched generation for reinforcement learning, from Python (no HTTP), with weight
+updates and sleep / wake-up.
+
+It drives tpuray's embedded engine (`EmbeddedEngine`: continuous batching, tensor parallel over a slice's
+chips) directly: in this process on the CPU, or on a TPU slice it reserves atomically like a serving
+replica (a `SliceWorkerGroup` of `RolloutWorker`s, one per chip share). `shutdown()` stops the workers
+and releases the slice (also on a failed start).
+
+    engine = RolloutEngine(RolloutConfig(model_dir, accelerator_type="TPU-V6E", topology="2x2"))
+    rollouts = engine.generate(["1+2=", "3+4="], SamplingParams(max_tokens=8, temperature=1.0))
+    engine.update_weights(policy.state_dict())      # checked against the engine's model first
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tpuray.rl.config import RolloutConfig
+from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
+from tpuray.rl.worker import RolloutWorker, RunnerWeights
+from tpuray.serve.llm import model_source
+from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutEngineError(RuntimeError):
+    """A rollout worker died (or its process group broke): the engine cannot generate or take weights
+    any more; `shutdown()` it (which releases the slice) and start a new one."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One generated sequence: the prompt's and the completion's token ids, the log-probability of each
+    completion token under the engine's current weights (the raw model distribution, before temperature
+    and other processing), the completion's text and why it ended ("stop" or "length")."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one `update_weights` moved: bytes written into the engine's tensors over every rank, and
+    seconds from the call to the last rank's commit."""
+
+    bytes_written: int
+    seconds: float
+    version: int
+
+
+class _RolloutEmbeddedEngine(EmbeddedEngine):
+    """EmbeddedEngine whose slice workers are `RolloutWorker`s (same start-up as EmbeddedEngine's)."""
+
+    def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
+        import ray
+
+        cfg = self.config
+        spec = WorkerGroupSpec(
+            num_workers=cfg.num_workers,
+            topology=cfg.topology,
+            chips_per_worker=cfg.chips_per_worker,
+            num_cpus=1,
+            reserve_timeout_s=timeout_s,
+            runtime_env=cfg.runtime_env,
+        )
+        self.group = SliceWorkerGroup(spec, RolloutWorker).start()
+        backend = "tpu_dist" if cfg.topology is not None else ("gloo" if spec.num_workers > 1 else None)
+        ray.get(self.group.init_process_group(backend, timeout_s))
+        path = model_source.resolve_on_hosts(source, self.group.host_strategies(), cfg.runtime_env)
+        self.worker_info = ray.get(self.group.call("load", path, kwargs))
+
+
+class RolloutEngine:
+    """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over the embedded engine
+    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock)."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
+        self.config = config
+        path = Path(model_source.resolve(config.model_source))
+        self.model_config: dict[str, Any] = json.loads((path / "config.json").read_text())
+        self._lock = threading.Lock()
+        self._loop = asyncio.Runner()
+        self._asleep = False
+        self._closed = False
+        self.failure: BaseException | None = None  # a worker's death: the engine is unusable
+        self.version = 0  # weight updates committed
+        self._local: RunnerWeights | None = None
+        try:
+            self._engine = _RolloutEmbeddedEngine(
+                config.llm_config,
+                use_actors=config.on_slice,
+                reservation_timeout_s=config.reservation_timeout_s,
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+        if self._engine.runner is not None:
+            self._local = RunnerWeights(self._engine.runner, path, rank=0, world_size=1)
+
+    # -- info ---------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def group(self) -> SliceWorkerGroup | None:
+        """The slice's worker group (None in this process)."""
+        return self._engine.group
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def describe(self) -> dict[str, Any]:
+        return {**self._engine.describe(), "weight_version": self.version, "asleep": self._asleep}
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"RolloutEngine.{what} after shutdown()")
+        if self.failure is not None:
+            raise RolloutEngineError(
+                f"RolloutEngine.{what}: a rollout worker failed earlier ({type(self.failure).__name__}); "
+                "shutdown() this engine and start a new one"
+            ) from self.failure
+
+    def _failed(self, e: BaseException) -> RolloutEngineError:
+        self.failure = e
+        return RolloutEngineError(
+            f"a rollout worker of {self._engine.group!r} died ({type(e).__name__}: {e}); the engine cannot "
+            "continue: shutdown() it and start a new one"
+        )
+
+    # -- generate -----------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Rollout]:
+        """One Rollout per prompt (a text, tokenized without special tokens, or token ids), in order. One
+        SamplingParams for all or one per prompt; logprobs of the chosen tokens are always returned.
+        Prompt i samples with generator index i, so a seeded batch of repeated prompts gives distinct,
+        reproducible samples. A dead worker raises RolloutEngineError."""
+        import ray
+
+        self._check_open("generate")
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise TypeError(
+                f"prompts must be a list of texts or token-id lists, got {type(prompts).__name__}"
+            )
+        per_prompt = self._params(params, len(prompts))
+        ids = [self._engine.encode_prompt(p if isinstance(p, str) else list(p)) for p in prompts]
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            if len(p) >= self._engine.max_model_len:
+                raise ValueError(
+                    f"prompts[{i}] has {len(p)} tokens; max_model_len={self._engine.max_model_len} "
+                    "leaves no room to generate"
+                )
+        with self._lock:
+            if self._asleep:
+                raise RuntimeError("RolloutEngine.generate while asleep: call wake_up() first")
+            try:
+                return self._loop.run(self._generate_all(ids, per_prompt))
+            except ray.exceptions.RayActorError as e:
+                raise self._failed(e) from e
+
+    @staticmethod
+    def _params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * n
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != n or not all(isinstance(p, SamplingParams) for p in per_prompt):
+                raise ValueError(
+                    f"params must be one SamplingParams or one per prompt ({n}); got {len(per_prompt)} items"
+                )
+        return [p if p.logprobs is not None else dataclasses.replace(p, logprobs=0) for p in per_prompt]
+
+    async def _generate_all(self, ids: list[list[int]], params: list[SamplingParams]) -> list[Rollout]:
+        return list(
+            await asyncio.gather(
+                *(self._generate_one(i, p, sp) for i, (p, sp) in enumerate(zip(ids, params, strict=True)))
+            )
+        )
+
+    async def _generate_one(self, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text, reason = "", None
+        async for out in self._engine.generate(prompt, params, index):
+            tokens += out.token_ids
+            logprobs += [lp for _, lp, _ in out.logprobs]
+            text += out.text
+            reason = out.finish_reason
+        return Rollout(list(prompt), tokens, logprobs, text, reason)
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def update_weights(self, update: Any) -> UpdateStats:
+        """Load new weights: a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
+        `model.state_dict()`), a dict of name -> ObjectRef of a tensor, or an ObjectRef of either.
+
+        Every name and shape is checked against the engine's model before anything is written: a missing,
+        unknown or misshapen tensor raises WeightMismatchError naming it and the expected shape, and the
+        engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice the update
+        goes through Ray's object store (put once; every worker pulls it and keeps only its own
+        tensor-parallel shard). A `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives)
+        sends each rank only its part; its tensor_parallel_size must be the engine's."""
+        import ray
+
+        self._check_open("update_weights")
+        start = time.perf_counter()
+        if isinstance(update, ShardedUpdate):
+            if update.tensor_parallel_size != self.tensor_parallel_size:
+                raise WeightMismatchError(
+                    f"a ShardedUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine "
+                    f"runs tensor_parallel_size={self.tensor_parallel_size}"
+                )
+        elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
+            check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
+        with self._lock:
+            if self._local is not None:
+                try:
+                    if isinstance(update, ShardedUpdate):
+                        self._local.stage_shards(update.refs[0])
+                    else:
+                        self._local.stage(update)
+                    written = self._local.commit()
+                finally:
+                    self._local.discard()
+            else:
+                try:
+                    written = self._update_workers(update)
+                except ray.exceptions.RayActorError as e:
+                    raise self._failed(e) from e
+            self.version += 1
+        return UpdateStats(written, time.perf_counter() - start, self.version)
+
+    def _update_workers(self, update: Any) -> int:
+        import ray
+
+        group = self._engine.group
+        if group is None:
+            raise RuntimeError("RolloutEngine.update_weights after shutdown()")
+        try:
+            if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
+                ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
+            else:
+                ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
+                ray.get(group.call("stage_weights", ref))
+        except ray.exceptions.RayTaskError as e:
+            ray.get(group.call("discard_weights"))
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, WeightMismatchError):
+                raise WeightMismatchError(str(cause)) from None
+            raise
+        return sum(ray.get(group.call("commit_weights")))
+
+    # -- sleep / wake-up ----------------------------------------------------------------------------------
+    def sleep(self) -> int:
+        """Free the chips' memory: weights to a host copy, KV cache dropped. Returns bytes freed over all
+        ranks. `update_weights` still works (it updates the host copy); `generate` needs `wake_up()`."""
+        self._check_open("sleep")
+        with self._lock:
+            freed = self._on_ranks("sleep")
+            self._asleep = True
+            return freed
+
+    def wake_up(self) -> int:
+        """Retake the chips' memory and restore the weights; returns bytes retaken over all ranks."""
+        self._check_open("wake_up")
+        with self._lock:
+            retaken = self._on_ranks("wake_up")
+            self._asleep = False
+            return retaken
+
+    def _on_ranks(self, method: str) -> int:
+        import ray
+
+        if self._local is not None:
+            return int(getattr(self._local, method)())
+        assert self._engine.group is not None
+        try:
+            return sum(ray.get(self._engine.group.call(method)))
+        except ray.exceptions.RayActorError as e:
+            raise self._failed(e) from e
+
+    # -- shutdown -----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine and its workers and release the slice. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._local = None  # drops the in-process runner's weights with the engine
+        try:
+            group = self._engine.group
+            if group is not None and self.failure is not None:
+                group.shutdown(
+                    graceful=False
+                )  # the live ranks may be stuck in a collective with the dead one
+            self._engine.shutdown()
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,190 @@
+"""`RolloutWorker`: the embedded engine's per-chip actor (`EngineWorker`) plus weight updates and
+sleep / wake-up. The same operations run on an in-process `ModelRunner` through `RunnerWeights`.
+
+An update is two-phase so that a bad one changes nothing: `stage_weights` pulls the update from Ray's
+object store, checks every name and shape and cuts this rank's shards (on the host); only when every rank
+staged does `commit_weights` copy them into the model's tensors in place. `discard_weights` drops a
+staged update.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpuray.rl.weights import (
+    WeightMismatchError,
+    check_shards,
+    check_state,
+    copy_shards,
+    engine_tensors,
+    shapes_of,
+    shard_state,
+)
+from tpuray.serve.llm.engine.runner import ModelRunner
+from tpuray.serve.llm.engine.worker import EngineWorker
+
+
+def resolve_update(update: Any) -> dict[str, torch.Tensor]:
+    """An update as a state dict: a mapping of tensors, or of ObjectRefs to tensors (pulled here), or an
+    ObjectRef to either (Ray resolves a top-level ref argument before the call)."""
+    import ray
+
+    if isinstance(update, ray.ObjectRef):
+        update = ray.get(update)
+    if not isinstance(update, Mapping):
+        raise WeightMismatchError(
+            f"weight update must be a state dict (name -> tensor or ObjectRef), got {type(update).__name__}"
+        )
+    refs = {k: v for k, v in update.items() if isinstance(v, ray.ObjectRef)}
+    state = dict(update)
+    if refs:
+        state.update(zip(refs, ray.get(list(refs.values())), strict=True))
+    return state
+
+
+class RunnerWeights:
+    """Weight updates and sleep / wake-up of one `ModelRunner` (one tensor-parallel rank)."""
+
+    def __init__(self, runner: ModelRunner, model_path: str | Path, rank: int, world_size: int) -> None:
+        self.runner = runner
+        self.config = json.loads((Path(model_path) / "config.json").read_text())
+        self.rank, self.world_size = rank, world_size
+        self.staged: dict[str, torch.Tensor] | None = None
+        self.host_copy: dict[str, torch.Tensor] | None = None  # while asleep: the weights on the host
+        self.freed: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # while asleep: (tensor, shape)
+        self.version = 0  # updates committed
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def stage(self, update: Any) -> int:
+        """Check the update and cut this rank's shards; returns the bytes staged. Raises
+        WeightMismatchError (nothing staged) on a missing, unknown or misshapen tensor."""
+        self.staged = None
+        state = resolve_update(update)
+        check_state(shapes_of(state), self.config)
+        self.staged = shard_state(state, self.config, self.rank, self.world_size)
+        return sum(t.numel() * t.element_size() for t in self.staged.values())
+
+    def stage_shards(self, shards: Any) -> int:
+        """Stage this rank's pre-cut shards (a `put_shards` object, resolved by Ray); checked against the
+        model's tensors (or the host copy while asleep) like `stage`."""
+        import ray
+
+        self.staged = None
+        if isinstance(shards, ray.ObjectRef):
+            shards = ray.get(shards)
+        check_shards(shards, self.runner.model if self.host_copy is None else _Holder(self.host_copy))
+        self.staged = dict(shards)
+        return sum(t.numel() * t.element_size() for t in self.staged.values())
+
+    def commit(self) -> int:
+        """Copy the staged shards into the model (or its host copy while asleep); returns bytes written."""
+        if self.staged is None:
+            raise RuntimeError("commit_weights without a staged update (call stage_weights first)")
+        staged, self.staged = self.staged, None
+        if self.host_copy is not None:  # asleep: the update waits on the host, wake_up moves it
+            written = copy_shards(_Holder(self.host_copy), staged)
+        else:
+            written = copy_shards(self.runner.model, staged)
+        self.version += 1
+        return written
+
+    def discard(self) -> None:
+        self.staged = None
+
+    # -- sleep / wake-up ----------------------------------------------------------------------------------
+    def sleep(self) -> int:
+        """Free the device memory of the weights and the KV cache: the weights go to a host copy, the
+        KV cache is dropped (its contents are not needed between rollouts). Each tensor keeps its Python
+        object (the model and cache still hold it) and gets an empty storage. Returns bytes freed."""
+        if self.host_copy is not None:
+            return 0
+        weights = engine_tensors(self.runner.model)
+        self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+        freed, seen = 0, set()
+        for t in [*weights.values(), *self.runner.cache.k, *self.runner.cache.v]:
+            if id(t) in seen:  # tied embeddings: one tensor under two names
+                continue
+            seen.add(id(t))
+            freed += t.numel() * t.element_size()
+            self.freed.append((t, tuple(t.shape)))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        return freed
+
+    def wake_up(self) -> int:
+        """Retake the device memory and restore the weights (with any update made while asleep); the KV
+        cache comes back zeroed. Returns bytes retaken."""
+        if self.host_copy is None:
+            return 0
+        freed, self.freed = self.freed, []
+        retaken = 0
+        for t, shape in freed:
+            t.data = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            retaken += t.numel() * t.element_size()
+        with torch.no_grad():
+            for key, t in engine_tensors(self.runner.model).items():
+                t.copy_(self.host_copy[key])
+        self.host_copy = None
+        return retaken
+
+    @property
+    def asleep(self) -> bool:
+        return self.host_copy is not None
+
+
+class _Holder:
+    """A host copy shaped like a ShardedLlama for `copy_shards` (embed / norm / lm_head / layers)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.embed, self.norm, self.lm_head = tensors["embed"], tensors["norm"], tensors["lm_head"]
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            if key.startswith("layers."):
+                _, i, name = key.split(".", 2)
+                layers.setdefault(int(i), {})[name] = t
+        self.layers = [layers[i] for i in sorted(layers)]
+
+
+class RolloutWorker(EngineWorker):
+    """An `EngineWorker` (one tensor-parallel rank of the embedded engine) that takes weight updates and
+    can sleep. Started by `RolloutEngine` in a `SliceWorkerGroup`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: RunnerWeights | None = None
+
+    def load(self, path: str, engine_kwargs: dict) -> dict:
+        import os
+
+        info = super().load(path, engine_kwargs)
+        assert self.runner is not None  # loaded by super().load
+        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.weights = RunnerWeights(self.runner, path, rank, world_size)
+        return info
+
+    def _w(self) -> RunnerWeights:
+        if self.weights is None:
+            raise RuntimeError("RolloutWorker used before load()")
+        return self.weights
+
+    def stage_weights(self, update: Any) -> int:
+        return self._w().stage(update)
+
+    def stage_shards(self, shards: Any) -> int:
+        return self._w().stage_shards(shards)
+
+    def commit_weights(self) -> int:
+        return self._w().commit()
+
+    def discard_weights(self) -> None:
+        self._w().discard()
+
+    def sleep(self) -> int:
+        return self._w().sleep()
+
+    def wake_up(self) -> int:
+        return self._w().wake_up()

@@ -1,0 +1,201 @@
+"""tpuray.rl.RolloutEngine over the embedded engine: in this process and tensor parallel on an emulated
+v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights, sleep / wake_up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpuray.rl import (
+    RolloutConfig,
+    RolloutEngine,
+    RolloutEngineError,
+    ShardedUpdate,
+    WeightMismatchError,
+    put_shards,
+)
+from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.validation import ConfigError
+
+PROMPTS = ["Hello world", "1 + 2 =", "The"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _state_dict(path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def _greedy(engine: RolloutEngine) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> dict[str, list[list[int]]]:
+    """Greedy tokens of each model loaded from disk into an in-process engine."""
+    out = {}
+    for name, path in zip("ab", tiny_models, strict=True):
+        with RolloutEngine(RolloutConfig(path, max_model_len=64, max_num_seqs=4)) as engine:
+            out[name] = _greedy(engine)
+    assert out["a"] != out["b"]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"engine": "vLLM"}, "engine='vLLM'"),
+        ({"dtype": "int8"}, "dtype='int8'"),
+        ({"max_num_seqs": 0}, "max_num_seqs=0"),
+        ({"accelerator_type": "TPU-V6E"}, "topology=None"),
+        ({"chips_per_worker": 2}, "chips_per_worker=2"),
+        ({"accelerator_type": "TPU-V6E", "topology": "2x2", "chips_per_worker": 3}, "TPU=3"),
+    ],
+)
+def test_config_refuses_bad_values(tiny_models, kwargs, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        RolloutConfig(tiny_models[0], **kwargs)
+
+
+def test_generate_in_process_returns_tokens_logprobs_and_text(tiny_models):
+    with RolloutEngine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
+        sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+        rollouts = engine.generate(["1 + 2 ="] * 4, sampled)
+        assert [len(r.token_ids) for r in rollouts] == [6] * 4
+        assert all(len(r.logprobs) == 6 and all(lp <= 0 for lp in r.logprobs) for r in rollouts)
+        assert len({tuple(r.token_ids) for r in rollouts}) > 1  # one generator per row
+        assert rollouts[0].text == engine.tokenizer.decode(rollouts[0].token_ids, skip_special_tokens=True)
+        assert [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)] == [
+            r.token_ids for r in rollouts
+        ]  # seeded: reproducible
+        with pytest.raises(ValueError, match=r"params must be one SamplingParams or one per prompt \(2\)"):
+            engine.generate(["a", "b"], [GREEDY])
+        with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+            engine.generate(["a", []], GREEDY)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        engine.generate(["a"], GREEDY)
+
+
+def test_update_weights_in_process(tiny_models, reference):
+    with RolloutEngine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
+        assert _greedy(engine) == reference["a"]
+        stats = engine.update_weights(_state_dict(tiny_models[1]))
+        assert stats.version == 1 and stats.bytes_written > 0
+        assert _greedy(engine) == reference["b"]
+        # refused before anything is written: the engine keeps model b
+        bad = _state_dict(tiny_models[0])
+        bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+        with pytest.raises(
+            WeightMismatchError,
+            match=r"'model.layers.1.mlp.up_proj.weight' has shape \(3, 3\); expected \(256, 128\)",
+        ):
+            engine.update_weights(bad)
+        del bad["model.layers.1.mlp.up_proj.weight"]
+        with pytest.raises(WeightMismatchError, match="'model.layers.1.mlp.up_proj.weight' .* is missing"):
+            engine.update_weights(bad)
+        with pytest.raises(
+            WeightMismatchError, match="'model.norm.weight' has dtype torch.int64; valid: a floating"
+        ):
+            engine.update_weights(
+                {**_state_dict(tiny_models[0]), "model.norm.weight": torch.zeros(128, dtype=torch.long)}
+            )
+        with pytest.raises(WeightMismatchError, match="'model.norm.weight' is a list, not a torch.Tensor"):
+            engine.update_weights({**_state_dict(tiny_models[0]), "model.norm.weight": [0.0] * 128})
+        with pytest.raises(WeightMismatchError, match="unknown tensor 'extra.weight'"):
+            engine.update_weights({**_state_dict(tiny_models[0]), "extra.weight": torch.zeros(1)})
+        assert _greedy(engine) == reference["b"] and engine.version == 1
+        # sleep: the chips' memory is freed; an update while asleep lands on wake-up
+        assert engine.sleep() > 0 and engine.asleep
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate(PROMPTS, GREEDY)
+        engine.update_weights(_state_dict(tiny_models[0]))
+        assert engine.wake_up() > 0 and not engine.asleep
+        assert _greedy(engine) == reference["a"]
+
+
+def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, tiny_models, reference):
+    """TP=2 on a v6e 2x2 slice (two workers of two chips): each rank takes its own shard of an update
+    sent through the object store; a mismatch is refused by the workers with the old weights kept."""
+    import ray
+
+    cfg = RolloutConfig(
+        tiny_models[0],
+        accelerator_type="TPU-V6E",
+        topology="2x2",
+        chips_per_worker=2,
+        max_model_len=64,
+        max_num_seqs=4,
+    )
+    engine = RolloutEngine(cfg)
+    try:
+        assert engine.tensor_parallel_size == 2 and engine.group is not None
+        assert engine.group.world_size == 2 and engine.describe()["emulated"]
+        assert _greedy(engine) == reference["a"]
+        engine.update_weights(_state_dict(tiny_models[1]))
+        assert _greedy(engine) == reference["b"]
+        bad = _state_dict(tiny_models[0])
+        bad["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(128, 64)
+        with pytest.raises(
+            WeightMismatchError, match=r"o_proj.weight' has shape \(128, 64\); expected \(128, 128\)"
+        ):
+            engine.update_weights(ray.put(bad))  # checked by the workers (the driver never sees the tensors)
+        assert _greedy(engine) == reference["b"]
+        refs = {k: ray.put(v) for k, v in _state_dict(tiny_models[0]).items()}  # one ref per tensor
+        assert engine.sleep() > 0
+        engine.update_weights(refs)
+        engine.wake_up()
+        assert _greedy(engine) == reference["a"]
+        # pre-cut per rank where the state lives: each rank receives only its part
+        state_b = _state_dict(tiny_models[1])
+        full = sum(t.numel() * t.element_size() for t in state_b.values())
+        with pytest.raises(
+            WeightMismatchError, match="tensor_parallel_size=4; this engine runs tensor_parallel_size=2"
+        ):
+            engine.update_weights(put_shards(state_b, engine.model_config, 4))
+        sharded = put_shards(state_b, engine.model_config, 2)
+        assert all(n < full for n in sharded.nbytes)
+        bad = ray.get(sharded.refs[1])
+        bad["layers.1.gate_up"] = bad["layers.1.gate_up"][:-1]
+        with pytest.raises(
+            WeightMismatchError,
+            match=r"shard 'layers.1.gate_up' has shape \(255, 128\); expected \(256, 128\)",
+        ):
+            engine.update_weights(ShardedUpdate((sharded.refs[0], ray.put(bad)), sharded.nbytes))
+        assert _greedy(engine) == reference["a"]
+        engine.update_weights(sharded)
+        assert _greedy(engine) == reference["b"]
+    finally:
+        engine.shutdown()
+    pg_leak_check()
+
+
+def test_update_weights_casts_to_the_engine_dtype(tiny_models):
+    """A float32 trainer state into a bfloat16 engine: the same tokens as the engine loaded from disk."""
+    cfg = {"max_model_len": 64, "max_num_seqs": 4, "dtype": "bfloat16"}
+    with RolloutEngine(RolloutConfig(tiny_models[1], **cfg)) as engine:
+        want = _greedy(engine)
+    with RolloutEngine(RolloutConfig(tiny_models[0], **cfg)) as engine:
+        engine.update_weights(_state_dict(tiny_models[1]))
+        assert _greedy(engine) == want
+
+
+def test_a_dead_worker_fails_generate_and_shutdown_frees_the_slice(
+    emulated_cluster, pg_leak_check, tiny_models
+):
+    import ray
+
+    cfg = RolloutConfig(
+        tiny_models[0], accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
+    )
+    engine = RolloutEngine(cfg)
+    try:
+        assert engine.group is not None
+        ray.kill(engine.group.actors[1], no_restart=True)
+        with pytest.raises(RolloutEngineError, match="a rollout worker of .* died"):
+            engine.generate(PROMPTS, GREEDY)
+        with pytest.raises(RolloutEngineError, match="update_weights: a rollout worker failed earlier"):
+            engine.update_weights(_state_dict(tiny_models[1]))
+    finally:
+        engine.shutdown()
+    pg_leak_check()
