@@ -31,7 +31,7 @@ from tpuray.rl.worker import RolloutWorker, RunnerWeights
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
 from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
+from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +67,7 @@ class UpdateStats:
 class _RolloutEmbeddedEngine(EmbeddedEngine):
     """EmbeddedEngine whose slice workers are `RolloutWorker`s (same start-up as EmbeddedEngine's)."""
 
-    def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
-        import ray
-
-        cfg = self.config
-        spec = WorkerGroupSpec(
-            num_workers=cfg.num_workers,
-            topology=cfg.topology,
-            chips_per_worker=cfg.chips_per_worker,
-            num_cpus=1,
-            reserve_timeout_s=timeout_s,
-            runtime_env=cfg.runtime_env,
-        )
-        self.group = SliceWorkerGroup(spec, RolloutWorker).start()
-        backend = "tpu_dist" if cfg.topology is not None else ("gloo" if spec.num_workers > 1 else None)
-        ray.get(self.group.init_process_group(backend, timeout_s))
-        path = model_source.resolve_on_hosts(source, self.group.host_strategies(), cfg.runtime_env)
-        self.worker_info = ray.get(self.group.call("load", path, kwargs))
+    worker_cls = RolloutWorker
 
 
 class RolloutEngine:

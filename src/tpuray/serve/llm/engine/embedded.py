@@ -23,6 +23,7 @@ from tpuray.serve.llm.engine.runner import ModelRunner, StepResult
 from tpuray.serve.llm.engine.sampling import SamplingParams
 from tpuray.serve.llm.engine.scheduler import Scheduler, SeqOutput, Sequence
 from tpuray.serve.llm.engine.worker import EngineWorker
+from tpuray.slices import start_group
 from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class EngineShutDownError(RuntimeError):
 
 
 class EmbeddedEngine(PromptEncoder):
+    worker_cls: type[EngineWorker] = EngineWorker  # the per-chip actor (tpuray.rl: a RolloutWorker)
+
     def __init__(
         self,
         config: LLMConfig,
@@ -122,7 +125,12 @@ class EmbeddedEngine(PromptEncoder):
             runtime_env=cfg.runtime_env,
         )
         # Without a slice: one CPU worker actor (benchmarks: the same Ray step path as the TP engine).
-        self.group = SliceWorkerGroup(spec, EngineWorker).start()
+        # The start is abandoned as soon as a host of the reserved slice drains or dies (a preemption).
+        self.group = SliceWorkerGroup(spec, self.worker_cls)
+        lost = start_group(self.group, poll_s=0.2)
+        if lost is not None:
+            self.group = None
+            raise RuntimeError(f"the engine's slice was lost while its workers started: {lost}")
         backend = "tpu_dist" if cfg.topology is not None else ("gloo" if spec.num_workers > 1 else None)
         ray.get(self.group.init_process_group(backend, timeout_s))
         # every host reads the model from its own disk (a Hub id or URL is downloaded once per host)
