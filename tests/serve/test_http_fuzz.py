@@ -180,3 +180,23 @@ def test_fuzz_from_the_openapi_document(app, document, model):
     served = sum(n for (path, status), n in seen.items() if status == 200 and path != "/v1/embeddings")
     assert served >= EXAMPLES // 10, f"the fuzz rarely got past validation: {sorted(seen.items())}"
     _normal_requests_work(app, model)
+
+
+def test_fastapi_validation_errors_are_openai_400s_naming_the_param():
+    """No route lets FastAPI validate a body, but a parameter FastAPI checks answers like the rest."""
+    import asyncio
+
+    from fastapi.exceptions import RequestValidationError
+
+    from tpuray.serve.llm.app import _validation_error
+
+    error = {
+        "loc": ("path", "model"),
+        "msg": "Input should be a valid string",
+        "type": "string_type",
+        "input": 1,
+    }
+    response = asyncio.run(_validation_error(None, RequestValidationError([error])))  # type: ignore[arg-type]
+    assert response.status_code == 400
+    body = json.loads(response.body)["error"]
+    assert body["param"] == "model" and body["code"] == "invalid_value" and "(got 1)" in body["message"]

@@ -80,7 +80,9 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's own parameter validation answers like the routes do: a 400 naming the param, not 422."""
-    return error_response(error_from_validation([dict(e) for e in exc.errors()]))
+    where = ("path", "query", "header", "cookie")  # the param is the field itself, not where it came from
+    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p not in where)} for e in exc.errors()]
+    return error_response(error_from_validation(errors))
 
 
 @api.exception_handler(Exception)
