@@ -5,9 +5,9 @@ A backend serves one model and takes requests as JSON dicts, parsed by its own p
 - `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
 - `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
 
-Every backend has `start()` (a generating backend proves its engine there with a 1-token warm-up
-generation, `warm_up_error` on failure: the replica then fails to start instead of serving a dead engine
-behind a live endpoint), `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
+Every backend has `start()` (it proves its engine there: a 1-token warm-up generation, or one embedding;
+on failure `warm_up_error`, and the replica fails to start instead of serving a dead engine behind a live
+endpoint), `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
 (dict chunks or preformatted SSE strings), raising OpenAIError for a bad request; `card()`,
 `describe()`, `check_health()`, `shutdown()`. Endpoints: "completions", "chat", "embeddings",
 "tokenize", "detokenize".
@@ -53,11 +53,13 @@ class EngineBackend:
         return self.engine.slice_nodes()
 
 
-def warm_up_error(config: LLMConfig, engine: str, error: BaseException) -> RuntimeError:
-    """The replica's start failure when its engine could not generate one token."""
+def warm_up_error(
+    config: LLMConfig, engine: str, error: BaseException, what: str = "generation (1 token)"
+) -> RuntimeError:
+    """The replica's start failure when its engine failed its warm-up request."""
     return RuntimeError(
-        f"model {config.model_id!r}: the {engine} engine failed its warm-up generation (1 token) at start, "
-        f"so this replica does not serve: {type(error).__name__}: {error}"
+        f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
+        f"replica does not serve: {type(error).__name__}: {error}"
     )
 
 
