@@ -20,6 +20,7 @@ import re
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
@@ -27,7 +28,16 @@ from ray.serve import Deployment
 
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
-from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.openapi import (
+    METRICS_DOCS,
+    Health,
+    ModelCard,
+    ModelList,
+    get_docs,
+    openapi_document,
+    post_docs,
+)
+from tpuray.serve.llm.protocol import OpenAIError, error_from_validation
 from tpuray.serve.llm.replica import LLMServer
 from tpuray.serve.llm.request_checks import read_json
 from tpuray.validation import ConfigError
@@ -35,6 +45,7 @@ from tpuray.validation import ConfigError
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="tpuray OpenAI-compatible API")
+api.openapi = lambda: openapi_document(api)  # type: ignore[method-assign]  # the request models (openapi.py)
 
 # POST path -> backend endpoint; "model" is required on the OpenAI routes, optional on vLLM's /tokenize.
 ROUTES = {
@@ -64,6 +75,14 @@ async def _count_requests(request: Request, call_next):
 @api.exception_handler(OpenAIError)
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
     return error_response(exc)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own parameter validation answers like the routes do: a 400 naming the param, not 422."""
+    where = ("path", "query", "header", "cookie")  # the param is the field itself, not where it came from
+    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p not in where)} for e in exc.errors()]
+    return error_response(error_from_validation(errors))
 
 
 @api.exception_handler(Exception)
@@ -195,22 +214,22 @@ class LLMRouter:
             )
         return self.backends[model]
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", **get_docs(ModelList, 401))
     async def models(self, request: Request):
         self._authorize(request)
         return {"object": "list", "data": self.cards}
 
-    @api.get("/v1/models/{model:path}")
+    @api.get("/v1/models/{model:path}", **get_docs(ModelCard, 401, 404))
     async def model(self, model: str, request: Request):
         self._authorize(request)
         self._backend(model, "models")
         return next(c for c in self.cards if c["id"] == model)
 
-    @api.post("/v1/completions")
-    @api.post("/v1/chat/completions")
-    @api.post("/v1/embeddings")
-    @api.post("/tokenize")
-    @api.post("/detokenize")
+    @api.post("/v1/completions", **post_docs("/v1/completions"))
+    @api.post("/v1/chat/completions", **post_docs("/v1/chat/completions"))
+    @api.post("/v1/embeddings", **post_docs("/v1/embeddings"))
+    @api.post("/tokenize", **post_docs("/tokenize"))
+    @api.post("/detokenize", **post_docs("/detokenize"))
     async def post(self, request: Request):
         self._authorize(request)
         endpoint = ROUTES[request.scope["route"].path]
@@ -239,11 +258,11 @@ class LLMRouter:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    @api.get("/health")
+    @api.get("/health", **get_docs(Health))
     async def health(self):
         return {"status": "ok"}
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=PlainTextResponse, **METRICS_DOCS)
     async def metrics(self):
         """Prometheus text format: this replica's metrics and those of each model deployment behind it."""
         texts = [process_exposition()]

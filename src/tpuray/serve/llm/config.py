@@ -276,10 +276,42 @@ class LLMConfig:
             raise ConfigError(
                 f"max_model_len={mml} exceeds the model's max_position_embeddings={limit}; valid: 1..{limit}"
             )
+        self.choose_engine_for_model(cfg)
         if self.engine == "vLLM":
             from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
 
             split_engine_kwargs(self)  # ConfigError names an engine_kwargs key vLLM does not know
+
+    def choose_engine_for_model(self, model_config: dict[str, Any]) -> None:
+        """vLLM serves the model only where its attention backend can run it (engine/vllm_support.py).
+        Under llm_engine "auto" a model it cannot run goes to the embedded engine, with a warning saying
+        why; with llm_engine "vLLM" that is a ConfigError naming the model's property and what vLLM
+        supports. `model_config`: the model's config.json."""
+        if self.engine != "vLLM" or self.task != "generate":
+            return
+        from tpuray.serve.llm.engine.vllm_support import model_problem
+
+        problem = model_problem(model_config)
+        if problem is None:
+            return
+        if self.llm_engine == "vLLM":
+            raise ConfigError(
+                f"llm_engine='vLLM' cannot serve model {self.model_id!r}: {problem}. Use a model with a "
+                "supported head size, or llm_engine='embedded' (or 'auto')"
+            )
+        try:
+            self._validate_embedded_kwargs()
+        except ConfigError as e:
+            raise ConfigError(
+                f"llm_engine='auto': vLLM cannot serve model {self.model_id!r} ({problem}), and the embedded "
+                f"engine cannot take this config: {e}"
+            ) from None
+        logger.warning(
+            "model %r: llm_engine='auto' serves it with the embedded engine, not vLLM: %s",
+            self.model_id,
+            problem,
+        )
+        self.engine = "embedded"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LLMConfig:

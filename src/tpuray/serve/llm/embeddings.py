@@ -61,7 +61,13 @@ class EmbeddingModel:
 
     # -- the backend interface (replica.py) -----------------------------------------------------------
     async def start(self) -> None:
-        """Loaded in the constructor."""
+        """Loaded in the constructor; proven with one embedding before the replica is ready (replica.py)."""
+        from tpuray.serve.llm.replica import warm_up_error
+
+        try:
+            await asyncio.to_thread(self.embed_texts, ["warm-up"])
+        except Exception as e:
+            raise warm_up_error(self.config, "embedding", e, "embedding") from e
 
     def card(self) -> dict[str, Any]:
         return model_card(self.config.model_id, self.created, self.max_len)

@@ -5,7 +5,9 @@ A backend serves one model and takes requests as JSON dicts, parsed by its own p
 - `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
 - `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
 
-Every backend has `start()`, `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
+Every backend has `start()` (it proves its engine there: a 1-token warm-up generation, or one embedding;
+on failure `warm_up_error`, and the replica fails to start instead of serving a dead engine behind a live
+endpoint), `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
 (dict chunks or preformatted SSE strings), raising OpenAIError for a bad request; `card()`,
 `describe()`, `check_health()`, `shutdown()`. Endpoints: "completions", "chat", "embeddings",
 "tokenize", "detokenize".
@@ -51,12 +53,27 @@ class EngineBackend:
         return self.engine.slice_nodes()
 
 
+def warm_up_error(
+    config: LLMConfig, engine: str, error: BaseException, what: str = "generation (1 token)"
+) -> RuntimeError:
+    """The replica's start failure when its engine failed its warm-up request."""
+    return RuntimeError(
+        f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
+        f"replica does not serve: {type(error).__name__}: {error}"
+    )
+
+
 def create_backend(config: LLMConfig) -> Any:
     """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
     if config.task == "embed":
         from tpuray.serve.llm.embeddings import EmbeddingModel
 
         return EmbeddingModel(config)
+    if config.engine == "vLLM":
+        from tpuray.serve.llm import model_source
+
+        # build_openai_app decided this already; a config started directly is decided here
+        config.choose_engine_for_model(model_source.read_config(config.model_source))
     if config.engine == "vLLM":
         from tpuray.serve.llm.vllm_server import VLLMServer
 

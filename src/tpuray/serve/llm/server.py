@@ -31,7 +31,7 @@ from tpuray.serve.llm.protocol import (
     parse_request,
     usage,
 )
-from tpuray.serve.llm.replica import EngineBackend
+from tpuray.serve.llm.replica import EngineBackend, warm_up_error
 from tpuray.serve.llm.request_checks import check_body
 from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
@@ -70,7 +70,12 @@ class ModelServer(EngineBackend):
         self.formatter = LogprobFormatter(self.engine.tokenizer)
 
     async def start(self) -> None:
-        """Nothing to start beyond the constructor (the backend interface of replica.py)."""
+        """The engine is built in the constructor; prove it with a 1-token generation (replica.py)."""
+        try:
+            async for _ in self.engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0)):
+                pass
+        except Exception as e:
+            raise warm_up_error(self.config, "embedded", e) from e
 
     def check_health(self) -> None:
         import ray

@@ -30,7 +30,7 @@ from tpuray.serve.llm import protocol
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
 from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
-from tpuray.serve.llm.replica import EngineBackend
+from tpuray.serve.llm.replica import EngineBackend, warm_up_error
 from tpuray.serve.llm.request_checks import check_body
 
 DONE = "data: [DONE]\n\n"
@@ -150,6 +150,20 @@ class VLLMServer(EngineBackend):
         tasks = await self.engine.client.get_supported_tasks()
         await init_app_state(self.engine.client, state, args, supported_tasks=tasks)
         self.state = state
+        await self.warm_up()
+
+    async def warm_up(self) -> None:
+        """One 1-token generation before the replica reports ready: a model vLLM's engine core cannot
+        run (e.g. an attention configuration its kernels refuse) kills it here, not at the first request."""
+        from vllm import SamplingParams
+
+        try:
+            async for _ in self.engine.client.generate(
+                {"prompt_token_ids": [0]}, SamplingParams(max_tokens=1, temperature=0.0), f"warm-up-{now()}"
+            ):
+                pass
+        except Exception as e:
+            raise warm_up_error(self.config, "vLLM", e) from e
 
     # -- requests -------------------------------------------------------------------------------------
     def _serving(self, name: str, what: str) -> Any:

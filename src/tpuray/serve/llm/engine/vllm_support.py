@@ -1,0 +1,58 @@
+"""Whether vLLM can run a model here, decided from its config.json before vLLM starts.
+
+vLLM builds an engine for a model its attention backend cannot compute: on its CPU backend (vLLM's CPU
+build, and tpuray's emulated TPU slices, which run that backend per chip) the engine core starts, and the
+first request kills it ("Unsupported CPU attention configuration: head_dim=8"), after which every request
+fails with EngineDeadError. The rule is vLLM's own and read from the installed vLLM, not restated here:
+`CPUAttentionBackend.get_supported_head_sizes()` (vllm/v1/attention/backends/cpu_attn.py; the CPU platform
+always picks that backend for non-MLA models, vllm/platforms/cpu.py `get_attn_backend_cls`).
+
+On other platforms (vLLM-TorchTPU on real TPU chips) nothing is decided here; the replica's warm-up
+generation (a 1-token request before it reports ready) catches a model the engine cannot run there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def head_dim(model_config: dict[str, Any]) -> int | None:
+    """The attention head size, as vLLM derives it (ModelConfig.get_head_size): `head_dim` when the
+    config has one, else hidden_size // num_attention_heads."""
+    explicit = model_config.get("head_dim")
+    if isinstance(explicit, int) and explicit > 0:
+        return explicit
+    hidden, heads = model_config.get("hidden_size"), model_config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def attention_head_sizes() -> tuple[str, list[int]] | None:
+    """(vLLM's platform, the head sizes its attention backend supports) where vLLM computes on this
+    machine's CPU; None elsewhere (the rule is then the platform's own, checked by the warm-up)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return type(current_platform).__name__, list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def model_problem(model_config: dict[str, Any]) -> str | None:
+    """Why vLLM cannot run this model on this platform (the model's property and what vLLM supports);
+    None when nothing here says it cannot."""
+    if model_config.get("kv_lora_rank"):  # MLA models take vLLM's MLA backends: another rule
+        return None
+    size = head_dim(model_config)
+    supported = attention_head_sizes() if size is not None else None
+    if supported is None or size in supported[1]:
+        return None
+    platform, sizes = supported
+    shape = {k: model_config.get(k) for k in ("hidden_size", "num_attention_heads")}
+    derived = f" ({', '.join(f'{k}={v}' for k, v in shape.items())})" if None not in shape.values() else ""
+    return (
+        f"head_dim={size}{derived} is not supported by vLLM's CPU attention backend ({platform}, "
+        f"CPU_ATTN); valid head sizes: {sizes}"
+    )
