@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from tpuray.serve.llm.engine import vllm_available
 
+pytestmark = pytest.mark.slow  # ~2.5 min: make test-fast skips it, make test (CI) runs it
+
 AUTO, VLLM = "tiny-auto", "tiny-vllm"
 EXAMPLES = int(os.environ.get("TPURAY_FUZZ_EXAMPLES", "200"))
 TIMEOUT_S = 120.0
