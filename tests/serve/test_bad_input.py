@@ -172,9 +172,7 @@ def test_a_huge_prompt_is_refused_fast_and_does_not_stall_others(server):
 
 
 @pytest.fixture(scope="module")
-def app(emulated_cluster, tiny_model_dir):
-    import socket
-
+def app(serve_url, tiny_model_dir):
     from ray import serve
 
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
@@ -184,15 +182,11 @@ def app(emulated_cluster, tiny_model_dir):
         llm_engine="embedded",
         engine_kwargs={"max_model_len": 128, "max_num_seqs": 4},
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
+    try:  # on the directory's shared Serve instance (tests/serve/conftest.py)
         serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="bad-input", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_url
     finally:
-        serve.shutdown()
+        serve.delete("bad-input")
 
 
 ROUTES = {

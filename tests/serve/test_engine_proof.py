@@ -9,7 +9,6 @@ past the config check, vLLM's engine core dies in start(), not behind a live end
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -76,15 +75,43 @@ def test_a_model_vllm_can_run_keeps_vllm(tmp_path):
     assert cfg.engine == "vLLM"
 
 
+WARM_UP_CHILD = """
+import asyncio, json, os, sys
+from tpuray.serve.llm import LLMConfig
+from tpuray.serve.llm.vllm_server import VLLMServer
+cfg = LLMConfig(model_loading_config={"model_id": "tiny-hd8", "model_source": sys.argv[1]},
+                llm_engine="vLLM", engine_kwargs=json.loads(sys.argv[2]))
+server = VLLMServer(cfg)
+try:
+    asyncio.run(server.start())
+    print("STARTED")
+except RuntimeError as e:
+    print("REFUSED", e)
+finally:
+    server.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # the dead engine's zmq context would block the interpreter's exit
+"""
+
+
 def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir):
     """Past the config check (the backend built directly), vLLM starts for the head_dim 8 model and its
-    engine core dies at the first generation: that is the warm-up in start(), so no replica serves it."""
-    from tpuray.serve.llm.vllm_server import VLLMServer
+    engine core dies at the first generation: that is the warm-up in start(), so no replica serves it.
+    In a child process: vLLM's client of a dead engine core leaves a zmq context whose clean-up blocks
+    forever when garbage-collected (a replica whose start failed exits; this test process must not)."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    server = VLLMServer(config(tiny_model_dir, "vLLM"))
-    try:
-        with pytest.raises(RuntimeError, match=r"the vLLM engine failed its warm-up generation") as e:
-            asyncio.run(server.start())
-        assert "EngineDeadError" in str(e.value) and "'tiny-hd8'" in str(e.value)
-    finally:
-        server.shutdown()
+    out = subprocess.run(
+        [sys.executable, "-c", WARM_UP_CHILD, tiny_model_dir, json.dumps(KWARGS)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ),
+    )
+    refused = [line for line in out.stdout.splitlines() if line.startswith(("REFUSED", "STARTED"))]
+    assert refused and refused[0].startswith("REFUSED"), (out.stdout[-2000:], out.stderr[-3000:])
+    assert "the vLLM engine failed its warm-up generation" in refused[0]
+    assert "EngineDeadError" in refused[0] and "'tiny-hd8'" in refused[0]

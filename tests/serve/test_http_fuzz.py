@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections import Counter
 
 import httpx
@@ -39,7 +38,7 @@ REQUEST_MODELS = {
 
 
 @pytest.fixture(scope="module")
-def app(emulated_cluster, tiny_model_dir, tmp_path_factory):
+def app(serve_url, tiny_model_dir, tmp_path_factory):
     from ray import serve
 
     from tpuray.models import build_tiny_causal_lm
@@ -64,15 +63,11 @@ def app(emulated_cluster, tiny_model_dir, tmp_path_factory):
                 engine_kwargs={**kwargs, "enforce_eager": True},
             )
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
+    try:  # on the directory's shared Serve instance (tests/serve/conftest.py)
         serve.run(build_openai_app(LLMServingArgs(llm_configs=configs)), name="fuzz", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_url
     finally:
-        serve.shutdown()
+        serve.delete("fuzz")
 
 
 @pytest.fixture(scope="module")
