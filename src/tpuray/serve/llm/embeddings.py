@@ -62,7 +62,7 @@ class EmbeddingModel:
     # -- the backend interface (replica.py) -----------------------------------------------------------
     async def start(self) -> None:
         """Loaded in the constructor; proven with one embedding before the replica is ready (replica.py)."""
-        from tpuray.serve.llm.replica import warm_up_error
+        from tpuray.serve.llm.backend import warm_up_error
 
         try:
             await asyncio.to_thread(self.embed_texts, ["warm-up"])
@@ -75,7 +75,7 @@ class EmbeddingModel:
     def describe(self) -> dict[str, Any]:
         return {"engine": "embeddings", "model": self.config.model_id, "max_model_len": self.max_len}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """In-process model: nothing can die separately."""
 
     def slice_nodes(self) -> list[str]:

@@ -174,9 +174,7 @@ class EngineSlot:
     async def check_health(self) -> None:
         if self.failing_over:  # the old engine may already be gone; the replacement is on its way
             return
-        result = self.backend.check_health()
-        if asyncio.iscoroutine(result):
-            await result
+        await self.backend.check_health()
 
     def shutdown(self) -> None:
         self._closed = True

@@ -1,16 +1,7 @@
 """`LLMServer`: one model replica (its engine and TPU slice) behind a uniform request interface.
 
-A backend serves one model and takes requests as JSON dicts, parsed by its own protocol:
-- `VLLMServer` (vllm_server.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
-- `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
-- `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
-
-Every backend has `start()` (it proves its engine there: a 1-token warm-up generation, or one embedding;
-on failure `warm_up_error`, and the replica fails to start instead of serving a dead engine behind a live
-endpoint), `handle(endpoint, body) -> dict` and `handle_stream(endpoint, body)`
-(dict chunks or preformatted SSE strings), raising OpenAIError for a bad request; `card()`,
-`describe()`, `check_health()`, `shutdown()`. Endpoints: "completions", "chat", "embeddings",
-"tokenize", "detokenize".
+`create_backend` picks the backend of the config's engine; the interface every backend follows
+(`Backend`) and what the generating ones share (`EngineBackend`) are in backend.py.
 
 Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
 instead of raising it, so a bad request costs no exception traceback in the replica log.
@@ -21,49 +12,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tpuray.serve.llm.backend import Backend
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.protocol import OpenAIError
 
 
-class EngineBackend:
-    """What a generating backend shares: `config`, `engine` (with `max_model_len`, `describe()`), `created`."""
-
-    config: LLMConfig
-    engine: Any
-    created: int
-
-    @property
-    def model_id(self) -> str:
-        return self.config.model_id
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
-
-    def card(self) -> dict[str, Any]:
-        from tpuray.serve.llm.protocol import model_card
-
-        return model_card(self.model_id, self.created, self.max_model_len)
-
-    def describe(self) -> dict[str, Any]:
-        return self.engine.describe()
-
-    def slice_nodes(self) -> list[str]:
-        """The Ray nodes the engine's slice occupies (watched for preemption notices)."""
-        return self.engine.slice_nodes()
-
-
-def warm_up_error(
-    config: LLMConfig, engine: str, error: BaseException, what: str = "generation (1 token)"
-) -> RuntimeError:
-    """The replica's start failure when its engine failed its warm-up request."""
-    return RuntimeError(
-        f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
-        f"replica does not serve: {type(error).__name__}: {error}"
-    )
-
-
-def create_backend(config: LLMConfig) -> Any:
+def create_backend(config: LLMConfig) -> Backend:
     """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
     if config.task == "embed":
         from tpuray.serve.llm.embeddings import EmbeddingModel

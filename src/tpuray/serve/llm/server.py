@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
+from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded import EmbeddedEngine
 from tpuray.serve.llm.engine.prompts import TemplateError, template_messages
@@ -31,7 +32,6 @@ from tpuray.serve.llm.protocol import (
     parse_request,
     usage,
 )
-from tpuray.serve.llm.replica import EngineBackend, warm_up_error
 from tpuray.serve.llm.request_checks import check_body
 from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
@@ -77,7 +77,7 @@ class ModelServer(EngineBackend):
         except Exception as e:
             raise warm_up_error(self.config, "embedded", e) from e
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         import ray
 
         if isinstance(self.engine.error, ray.exceptions.RayActorError):

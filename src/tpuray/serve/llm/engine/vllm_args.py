@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tpuray.validation import ConfigError
 
-if TYPE_CHECKING:
-    from tpuray.serve.llm.config import LLMConfig
+
+class EngineFields(Protocol):
+    """The part of an LLMConfig the split reads (kept apart: config.py imports this module)."""
+
+    engine_kwargs: dict[str, Any]
+    tensor_parallel_size: int
+    log_engine_metrics: bool
+
 
 SET_BY_TPURAY = {
     "model": "model_loading_config.model_source",
@@ -45,7 +51,7 @@ def _field_names() -> tuple[frozenset[str], frozenset[str]]:
     return engine, frontend
 
 
-def split_engine_kwargs(config: LLMConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_engine_kwargs(config: EngineFields) -> tuple[dict[str, Any], dict[str, Any]]:
     """(AsyncEngineArgs kwargs, FrontendArgs kwargs) from config.engine_kwargs; ConfigError names a key
     that cannot be honoured."""
     engine_fields, frontend_fields = _field_names()

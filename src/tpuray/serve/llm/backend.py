@@ -1,0 +1,81 @@
+"""The serving backend interface: what `LLMServer` (replica.py) needs from the backend of one model.
+
+Backends, one module each:
+- `VLLMServer` (vllm_server.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
+- `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
+- `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
+
+A backend takes requests as JSON dicts parsed by its own protocol and raises OpenAIError for a bad
+request. `start()` proves its engine (a 1-token warm-up generation, or one embedding); on failure it
+raises `warm_up_error`, so the replica fails to start instead of serving a dead engine behind a live
+endpoint. Endpoints: "completions", "chat", "embeddings", "tokenize", "detokenize".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tpuray.serve.llm.config import LLMConfig
+
+
+class Backend(Protocol):
+    """One model's backend, as the replica (and its failover slot) drives it."""
+
+    config: LLMConfig
+
+    async def start(self) -> None: ...
+
+    async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """Dict chunks or preformatted SSE strings."""
+        ...
+
+    def card(self) -> dict[str, Any]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    async def check_health(self) -> None:
+        """Raises when the engine is dead (Serve then replaces the replica)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineBackend:
+    """What a generating backend shares: `config`, `engine` (with `max_model_len`, `describe()`), `created`."""
+
+    config: LLMConfig
+    engine: Any
+    created: int
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def card(self) -> dict[str, Any]:
+        from tpuray.serve.llm.protocol import model_card
+
+        return model_card(self.model_id, self.created, self.max_model_len)
+
+    def describe(self) -> dict[str, Any]:
+        return self.engine.describe()
+
+    def slice_nodes(self) -> list[str]:
+        """The Ray nodes the engine's slice occupies (watched for preemption notices)."""
+        return self.engine.slice_nodes()
+
+
+def warm_up_error(
+    config: LLMConfig, engine: str, error: BaseException, what: str = "generation (1 token)"
+) -> RuntimeError:
+    """The replica's start failure when its engine failed its warm-up request."""
+    return RuntimeError(
+        f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
+        f"replica does not serve: {type(error).__name__}: {error}"
+    )
