@@ -1,6 +1,9 @@
 """Fixtures for tpuray.serve tests: a tiny local Llama-style model (16 heads: TP 1/2/4/8/16 all divide) and
 one Ray Serve instance shared by every module here.
 
+tiny_server (module)
+    The tiny model's embedded-engine backend in this process (no Ray, no HTTP): `_configs.in_process_server`.
+
 serve_url (module)
     Ray Serve's controller and HTTP proxy (on the CPU head, 127.0.0.1) on the default emulated cluster,
     started by the first module that asks and shut down after the last test of this directory (not once
@@ -19,6 +22,15 @@ from _util import free_port
 
 HERE = Path(__file__).parent
 _SERVE: dict[str, str] = {}  # address of the cluster Serve runs on, and its URL
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    from _configs import in_process_server
+
+    s = in_process_server("tiny", tiny_model_dir)
+    yield s
+    s.shutdown()
 
 
 @pytest.fixture(scope="session")

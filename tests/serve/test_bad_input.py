@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, ascii_json, body
-from _configs import in_process_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,10 +64,8 @@ def test_body_size_is_bounded_before_reading_it_all():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = in_process_server("tiny", tiny_model_dir)
-    yield s
-    s.shutdown()
+def server(tiny_server):
+    return tiny_server
 
 
 def answer(server, endpoint: str, fields: dict, stream: bool = False):

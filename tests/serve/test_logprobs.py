@@ -9,7 +9,6 @@ import asyncio
 import codecs
 
 import pytest
-from _configs import in_process_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +19,8 @@ WIDE = "é’€日本😀"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = in_process_server("tiny", tiny_model_dir)
-    yield s
-    s.shutdown()
+def server(tiny_server):
+    return tiny_server
 
 
 def _run(coro):

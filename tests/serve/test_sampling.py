@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from _configs import in_process_server
 from _schemas import PERSON
 
 from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
@@ -90,10 +89,8 @@ def test_bitmask_and_logprob_records(logits):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = in_process_server("tiny", tiny_model_dir)
-    yield s
-    s.shutdown()
+def server(tiny_server):
+    return tiny_server
 
 
 def _run(coro):

@@ -274,6 +274,17 @@ def check_content_parts(messages: Any) -> None:
                 )
 
 
+class _ChecksContentParts(BaseModel):
+    """A request with chat `messages`: their content parts are checked first (check_content_parts)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_content_parts(data.get("messages"))
+        return data
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -304,7 +315,7 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, _ChecksContentParts):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -352,13 +363,6 @@ class ChatCompletionRequest(_Request):
         "return_prompt_text": (None, "the templated prompt is not returned"),
         "return_assistant_tokens_mask": (False, "the assistant tokens mask is not returned"),
     }
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parts(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_content_parts(data.get("messages"))
-        return data
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -417,7 +421,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChecksContentParts):
     """vLLM's /tokenize: a completion prompt or chat messages."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -425,13 +429,6 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parts(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_content_parts(data.get("messages"))
-        return data
 
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

@@ -16,7 +16,14 @@ import torch
 
 from tpuray.serve.llm.engine.logits import TokenLogprobs, token_logprobs
 from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.step_plan import Buckets, Step, decode_batches, pack_prefills
+from tpuray.serve.llm.engine.step_plan import (
+    Buckets,
+    DecodeBatch,
+    PrefillPack,
+    Step,
+    decode_batches,
+    pack_prefills,
+)
 
 PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of prompt tokens 1.. (echo)
 
@@ -116,21 +123,26 @@ class ModelRunner:
             return 0
         start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
         b = self.buckets
-        # distinct tensors per argument, as in serving (Dynamo guards on aliasing between inputs)
         for T in b.tokens:
-            p = pack_prefills([(trash, [0] * T, 0, None)], [0], b, trash)[0]
-            args = (p.tokens, p.positions, torch.full((T,), -1), p.slots, p.last_index)
-            self._prefill(*(t.to(self.device) for t in args))[1].cpu()
+            self._run_prefill(pack_prefills([(trash, [0] * T, 0, None)], [0], b, trash)[0])[1].cpu()
         for B in b.batch:
             d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
             for L in b.context:
-                self._decode(
-                    d.tokens.to(self.device), d.positions.to(self.device), d.slots.to(self.device), L
-                )[1].cpu()
+                self._run_decode(d, L)[1].cpu()
         self.warmup_s = time.perf_counter() - start
         return self.compilations - before
 
     # -- steps --------------------------------------------------------------------------------------------
+    def _run_prefill(self, p: PrefillPack) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy ids) of a pack; one tensor per argument, so warm-up and serving pass the same
+        (unaliased) inputs and share their compiled programs."""
+        args = (p.tokens, p.positions, p.segments, p.slots, p.last_index)
+        return self._prefill(*(t.to(self.device) for t in args))
+
+    def _run_decode(self, d: DecodeBatch, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.device
+        return self._decode(d.tokens.to(dev), d.positions.to(dev), d.slots.to(dev), context_len)
+
     def _collect(self, rows, out, greedy, logits, ids) -> None:
         n = len(rows)
         if self.rank != 0:
@@ -148,13 +160,11 @@ class ModelRunner:
         decode = [i for i, (_, ids, _, _) in enumerate(batch) if len(ids) == 1]
         greedy = [0] * len(batch)
         out = torch.empty(len(batch), self.model.vocab_size) if need_logits or echo else None
-        dev, trash = self.device, self.cache.trash_slot
+        trash = self.cache.trash_slot
         for p in pack_prefills(batch, prefill, self.buckets, trash):
-            args = (p.tokens, p.positions, p.segments, p.slots, p.last_index)
-            self._collect(p.rows, out, greedy, *self._prefill(*(t.to(dev) for t in args)))
+            self._collect(p.rows, out, greedy, *self._run_prefill(p))
         for d in decode_batches(batch, decode, self.buckets, trash):
-            logits, ids = self._decode(d.tokens.to(dev), d.positions.to(dev), d.slots.to(dev), d.context_len)
-            self._collect(d.rows, out, greedy, logits, ids)
+            self._collect(d.rows, out, greedy, *self._run_decode(d, d.context_len))
         prompt_lps = {i: self._echo(batch[i], i, out, greedy) for i in echo}
         if self.rank != 0:
             return None
