@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tpuray.serve.llm.engine.runner import ModelRunner
+from tpuray.serve.llm.engine.tpu_compile import BACKENDS
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,13 @@ def _greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_model, highest_precision):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(
+    tpu, trained_model, highest_precision, backend
+):
     kw = dict(max_num_seqs=4, max_model_len=256, dtype="float32")
     cpu = ModelRunner(trained_model, **kw)
-    chip = ModelRunner(trained_model, device="tpu", **kw)
+    chip = ModelRunner(trained_model, device="tpu", compile_backend=backend, **kw)
     assert chip.compiled and not cpu.compiled
     built = chip.warmup()
     assert built == chip.buckets.num_programs

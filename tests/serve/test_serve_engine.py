@@ -36,13 +36,23 @@ def run(engine, prompt, **kw):
     return asyncio.run(go())
 
 
-def test_forward_matches_transformers_with_kv_cache(tiny_model_dir):
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory):
+    """A tiny model with grouped-query attention (16 query heads over 4 KV heads)."""
+    from tpuray.models import build_tiny_causal_lm
+
+    return str(build_tiny_causal_lm(tmp_path_factory.mktemp("gqa"), num_key_value_heads=4))
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "gqa_model_dir"])
+def test_forward_matches_transformers_with_kv_cache(model, request):
     from transformers import AutoModelForCausalLM
 
     from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    m = ShardedLlama(tiny_model_dir)
+    path = request.getfixturevalue(model)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    m = ShardedLlama(path)
     for buckets in (Buckets.exact(), Buckets.for_engine(4, 64, 64)):  # exact sizes, then padded ones
         cache = m.new_kv_cache(num_slots=4, max_model_len=64)
         # two prompts packed in one prefill, then three batched decode steps
