@@ -120,13 +120,26 @@ def decode_split(runner, batch: int, steps: int, pos: int = 40) -> dict:
         sync()
         return (time.perf_counter() - t) / steps * 1e3
 
+    def dispatch_only() -> float:  # the host's time to launch the program, device not awaited
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner._decode(*args)
+        took = (time.perf_counter() - t) / steps * 1e3
+        sync()
+        return took
+
     small = torch.arange(batch, dtype=torch.long)
+    packed = torch.arange(3 * batch, dtype=torch.long)
     return dict(
         batch=batch,
         step_ms=per_step(lambda: runner.step(rows, need_logits=False)),
         program_readback_ms=per_step(lambda: runner._decode(*args)[1].cpu()),
         program_pipelined_ms=per_step(lambda: runner._decode(*args)),
+        program_dispatch_ms=dispatch_only(),
         host_to_device_ms=per_step(lambda: small.to(dev)),
+        host_to_device_x3_ms=per_step(lambda: [t.to(dev) for t in (small, small, small)]),
+        host_to_device_packed_ms=per_step(lambda: packed.to(dev)),
     )
 
 
@@ -387,9 +400,36 @@ def bench_train(args) -> None:
             bench_gpt(device, via, compiled, args.steps)
 
 
+def bench_kv_write(args) -> None:
+    """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
+    write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu
+    updates the buffer where it lies; a whole-cache copy otherwise), against copying the whole cache."""
+    dev = torch.device(args.device)
+    layers, slots, length, kv, d = 16, 33, args.max_model_len, 8, 64
+    cache = torch.zeros(layers, slots, length, kv, d, dtype=torch.bfloat16, device=dev)
+    other = torch.zeros_like(cache)
+    for batch in (1, 32):
+        idx = torch.arange(batch, device=dev)
+        pos = torch.full((batch,), 7, device=dev)
+        new = torch.ones(layers, batch, kv, d, dtype=torch.bfloat16, device=dev)
+        lidx = torch.arange(layers, device=dev)[:, None]
+
+        def write():
+            cache.index_put_((lidx, idx[None], pos[None]), new)
+
+        report(
+            "kv_write",
+            batch=batch,
+            cache_bytes=cache.numel() * 2,
+            indexed_write_ms=timed(write, args.steps) * 1e3,
+            full_copy_ms=timed(lambda: other.copy_(cache), args.steps) * 1e3,
+        )
+    assert float(cache[3, 0, 7, 0, 0].cpu()) == 1.0, "the indexed write did not land"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["engine", "train"])
+    ap.add_argument("what", choices=["engine", "train", "kv-write"])
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
@@ -409,7 +449,7 @@ def main() -> None:
         from tpuray.runtime import activate
 
         report("runtime", mode=activate())
-    (bench_engine if args.what == "engine" else bench_train)(args)
+    {"engine": bench_engine, "train": bench_train, "kv-write": bench_kv_write}[args.what](args)
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in RESULTS)
