@@ -126,7 +126,7 @@ async def http_throughput(url: str, clients: int, per_client: int, max_tokens: i
 
 async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, float]:
     """(ms per token for one sequence, tokens/s with `clients` concurrent sequences)."""
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     async def one(prompt: str, seed: int) -> int:
         n = 0
@@ -245,7 +245,7 @@ def main() -> None:
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+    from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
     from tpuray.serve.llm.server import ModelServer
 
     rows: list[tuple[str, str, str, str]] = []

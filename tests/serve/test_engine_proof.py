@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from tpuray.serve.llm.engine import vllm_available
+from tpuray.serve.llm.engine.vllm import vllm_available
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"

@@ -11,8 +11,13 @@ import pytest
 import torch
 from _schemas import PERSON
 
-from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
-from tpuray.serve.llm.engine.sampling import _min_p, _top_k
+from tpuray.serve.llm.engine.embedded.logits import (
+    apply_bitmask,
+    apply_logit_bias,
+    apply_penalties,
+    token_logprobs,
+)
+from tpuray.serve.llm.engine.embedded.sampling import _min_p, _top_k
 from tpuray.serve.llm.responses import string_bytes
 
 V = 50
@@ -143,7 +148,7 @@ def test_chat_logprobs_equal_transformers_log_softmax(server, tiny_model_dir):
     content = _run(server.handle("chat", body))["choices"][0]["logprobs"]["content"]
     prompt = server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     # replay the greedy tokens through transformers: every step's logprob must match
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     async def tokens() -> list[int]:
         ids: list[int] = []

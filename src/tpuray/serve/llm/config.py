@@ -124,7 +124,7 @@ class LLMConfig:
         torch (vllm_install_problem) is an error for "vLLM" and "auto" alike, naming the fix."""
         if self.task == "embed" or self.llm_engine == "embedded":
             return "embedded"
-        from tpuray.serve.llm.engine import vllm_available, vllm_install_problem
+        from tpuray.serve.llm.engine.vllm import vllm_available, vllm_install_problem
 
         if self.llm_engine == "auto" and not vllm_available():
             return "embedded"
@@ -278,18 +278,18 @@ class LLMConfig:
             )
         self.choose_engine_for_model(cfg)
         if self.engine == "vLLM":
-            from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
+            from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 
             split_engine_kwargs(self)  # ConfigError names an engine_kwargs key vLLM does not know
 
     def choose_engine_for_model(self, model_config: dict[str, Any]) -> None:
-        """vLLM serves the model only where its attention backend can run it (engine/vllm_support.py).
+        """vLLM serves the model only where its attention backend can run it (engine/vllm/support.py).
         Under llm_engine "auto" a model it cannot run goes to the embedded engine, with a warning saying
         why; with llm_engine "vLLM" that is a ConfigError naming the model's property and what vLLM
         supports. `model_config`: the model's config.json."""
         if self.engine != "vLLM" or self.task != "generate":
             return
-        from tpuray.serve.llm.engine.vllm_support import model_problem
+        from tpuray.serve.llm.engine.vllm.support import model_problem
 
         problem = model_problem(model_config)
         if problem is None:

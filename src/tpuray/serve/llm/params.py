@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 
@@ -40,7 +40,7 @@ def _grammar(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> Any
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    from tpuray.serve.llm.engine.grammar import GrammarError
+    from tpuray.serve.llm.engine.embedded.grammar import GrammarError
 
     schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
     if fmt.type == "json_schema" and not schema:

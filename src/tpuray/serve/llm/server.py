@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.prompts import TemplateError, template_messages
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.prompts import TemplateError, template_messages
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.params import sampling_params
 from tpuray.serve.llm.protocol import (
     ChatCompletionRequest,

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from tpuray.serve.llm import protocol
 from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
+from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
 from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
 from tpuray.serve.llm.request_checks import check_body
 
