@@ -248,7 +248,7 @@ def test_tokenize_and_detokenize_have_vllms_shapes(server):
     chat = _run(server.handle("tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
     assert chat["tokens"] == server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     assert _run(server.handle("detokenize", {"tokens": r["tokens"]})) == {"prompt": "hello world"}
-    from tpuray.serve.llm.protocol import OpenAIError
+    from tpuray.serve.llm.openai_schema import OpenAIError
 
     with pytest.raises(OpenAIError) as e:
         _run(server.handle("detokenize", {"tokens": [10**7]}))

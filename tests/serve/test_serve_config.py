@@ -194,10 +194,12 @@ def test_serving_args():
 
 def test_single_deployment_is_the_default_for_one_model():
     one = [{"model_loading_config": {"model_id": "a"}}]
-    assert LLMServingArgs(llm_configs=one).one_deployment
-    assert not LLMServingArgs(llm_configs=one, single_deployment=False).one_deployment
-    assert not LLMServingArgs(llm_configs=one, ingress_deployment_config={"num_replicas": 2}).one_deployment
-    assert not LLMServingArgs(llm_configs=[*one, cfg()]).one_deployment
+    assert LLMServingArgs(llm_configs=one).single_deployment
+    assert not LLMServingArgs(llm_configs=one, single_deployment=False).single_deployment
+    assert not LLMServingArgs(
+        llm_configs=one, ingress_deployment_config={"num_replicas": 2}
+    ).single_deployment
+    assert not LLMServingArgs(llm_configs=[*one, cfg()]).single_deployment
     with pytest.raises(ValueError, match=r"single_deployment=True needs exactly one model .* got 2 model"):
         LLMServingArgs(llm_configs=[*one, cfg()], single_deployment=True)
     with pytest.raises(ValueError, match=r"single_deployment must be true, false or null, got 'yes'"):

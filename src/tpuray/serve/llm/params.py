@@ -1,4 +1,4 @@
-"""An OpenAI request (protocol.py, already type-checked) -> the embedded engine's SamplingParams.
+"""An OpenAI request (openai_schema.py, already type-checked) -> the embedded engine's SamplingParams.
 
 Checks what needs the model: the prompt fits max_model_len, logit_bias, stop_token_ids and
 allowed_token_ids name tokens of its vocabulary, min_tokens <= max_tokens, a response_format schema
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-from tpuray.serve.llm.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 
 def _token_ids(engine: Any, ids: list[int], param: str) -> list[int]:

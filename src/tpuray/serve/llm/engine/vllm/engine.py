@@ -8,7 +8,7 @@ platform (vllm-tpu / vLLM-TorchTPU) computes; on an EMULATED slice tpuray's vLLM
 (plugin.py) runs vLLM's CPU backend in those per-chip worker processes, and describe() and the logs
 say so. Without an accelerator_config vLLM runs on this machine's CPU with its own executor.
 
-The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_server).
+The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
 """
 
 from __future__ import annotations
