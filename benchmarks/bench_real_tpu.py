@@ -103,7 +103,7 @@ def decode_split(runner, batch: int, steps: int, pos: int = 40) -> dict:
     inputs already on the device and its ids read back each step; the program alone without reading back
     (steps queue up: the device's own time per step once the host keeps ahead); one small host-to-device
     copy (a step makes three)."""
-    from tpuray.serve.llm.engine.step_plan import decode_batches
+    from tpuray.serve.llm.engine.embedded.step_plan import decode_batches
 
     rows = [(s, [7], pos, None) for s in range(batch)]
     d = decode_batches(rows, list(range(batch)), runner.buckets, runner.cache.trash_slot)[0]
@@ -155,8 +155,8 @@ def serve_mixed(runner, n_requests: int, max_num_seqs: int, max_model_len: int, 
     lengths, greedy and sampled; counts the programs compiled while serving."""
     import asyncio
 
-    from tpuray.serve.llm.engine.sampling import SamplingParams
-    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
 
     rng = random.Random(seed)
     sched = Scheduler(NumberTokenizer(), {2}, max_num_seqs, max_model_len, max_prefill_tokens=max_model_len)
@@ -222,7 +222,7 @@ def bench_engine(args) -> None:
 
 
 def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> dict:
-    from tpuray.serve.llm.engine.runner import ModelRunner
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 
     max_model_len, max_num_seqs = args.max_model_len, 32
     t0 = time.perf_counter()
@@ -440,7 +440,7 @@ def main() -> None:
         "--compile-backend",
         default="tpu",
         help="engine on a TPU: torch.compile backend(s), comma-separated, the first is the anchor "
-        "(tpu, tpu-inplace: see src/tpuray/serve/llm/engine/tpu_compile.py)",
+        "(tpu, tpu-inplace: see src/tpuray/serve/llm/engine/embedded/tpu_compile.py)",
     )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")

@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
 
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RolloutConfig, RolloutEngine
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     torch.manual_seed(args.seed)
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))

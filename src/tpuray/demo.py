@@ -190,7 +190,7 @@ def _chips(cfg: DemoConfig) -> int:
 
 def _engine_kwargs(cfg: DemoConfig) -> dict:
     """vLLM's options for a tiny float32 model on CPU (eager: no graph capture to wait for)."""
-    from tpuray.serve.llm.engine import vllm_available
+    from tpuray.serve.llm.engine.vllm import vllm_available
 
     if cfg.engine == "embedded" or (cfg.engine == "auto" and not vllm_available()):
         return {"dtype": "float32"}

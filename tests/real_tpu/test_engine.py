@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from tpuray.serve.llm.engine.runner import ModelRunner
-from tpuray.serve.llm.engine.tpu_compile import BACKENDS
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.tpu_compile import BACKENDS
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from tpuray.rl import (
     WeightMismatchError,
     put_shards,
 )
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.validation import ConfigError
 
 PROMPTS = ["Hello world", "1 + 2 =", "The"]

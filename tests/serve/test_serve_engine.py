@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def gqa_model_dir(tmp_path_factory):
 def test_forward_matches_transformers_with_kv_cache(model, request):
     from transformers import AutoModelForCausalLM
 
-    from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills
+    from tpuray.serve.llm.engine.embedded.step_plan import Buckets, decode_batches, pack_prefills
 
     path = request.getfixturevalue(model)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -137,7 +137,7 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
 
     from transformers import AutoTokenizer
 
-    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+    from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ascii_text = tok.encode("Hello, wörld: naïve café ✓ 🙂 tensor parallel", add_special_tokens=False)
@@ -157,7 +157,7 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
 
 
 def test_generate_after_shutdown_is_a_clear_error(tiny_model_dir):
-    from tpuray.serve.llm.engine.embedded import EngineShutDownError
+    from tpuray.serve.llm.engine.embedded.engine import EngineShutDownError
 
     cfg = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},

@@ -60,10 +60,10 @@ def test_models_and_replica_layout(client, server):
 def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
     """Greedy text from the 4-way sharded engine equals the unsharded engine in this process."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.protocol import CompletionRequest
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.openai_schema import CompletionRequest
 
-    local = ModelServer(
+    local = EmbeddedBackend(
         LLMConfig(
             model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
             llm_engine="embedded",
@@ -274,7 +274,7 @@ def single(server, tiny_model_dir):
     from tpuray.serve.llm import LLMServingArgs, build_openai_app
 
     args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
-    assert args.one_deployment
+    assert args.single_deployment
     before = set(live_placement_groups())
     serve.run(build_openai_app(args), name="tpuray-single", route_prefix="/single")
     yield server + "/single"

@@ -29,8 +29,8 @@ from tpuray.rl.config import RolloutConfig
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
 from tpuray.rl.worker import RolloutWorker, RunnerWeights
 from tpuray.serve.llm import model_source
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Hugging Face parameter names <-> the embedded engine's fused, tensor-parallel tensors, in one place.
 
-The embedded engine (`tpuray.serve.llm.engine.model.ShardedLlama`) holds each layer's q/k/v as one fused
+The embedded engine (`tpuray.serve.llm.engine.embedded.model.ShardedLlama`) holds each layer's q/k/v as one fused
 `qkv` tensor and gate/up as one `gate_up`, split over the tensor-parallel ranks Megatron-style:
 column-parallel tensors (q, k, v, gate, up and their biases) take this rank's chunk of dim 0, row-parallel
 ones (o_proj, down_proj) this rank's chunk of dim 1; embeddings, norms and lm_head are replicated. This

@@ -25,8 +25,8 @@ from tpuray.rl.weights import (
     shapes_of,
     shard_state,
 )
-from tpuray.serve.llm.engine.runner import ModelRunner
-from tpuray.serve.llm.engine.worker import EngineWorker
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 
 
 def resolve_update(update: Any) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpuray.serve.llm.engine.kv_cache import KVCache
+from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

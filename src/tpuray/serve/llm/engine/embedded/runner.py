@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpuray.serve.llm.engine.logits import TokenLogprobs, token_logprobs
-from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.step_plan import (
+from tpuray.serve.llm.engine.embedded.logits import TokenLogprobs, token_logprobs
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama
+from tpuray.serve.llm.engine.embedded.step_plan import (
     Buckets,
     DecodeBatch,
     PrefillPack,
@@ -102,7 +102,7 @@ class ModelRunner:
     def _compile(self, backend_name: str) -> None:
         from torch._dynamo import config as dynamo_config
 
-        from tpuray.serve.llm.engine.tpu_compile import lookup
+        from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
 
         backend = lookup(backend_name)
 
