@@ -414,7 +414,7 @@ def bench_kv_write(args) -> None:
         new = torch.ones(layers, batch, kv, d, dtype=torch.bfloat16, device=dev)
         lidx = torch.arange(layers, device=dev)[:, None]
 
-        def write():
+        def write(lidx=lidx, idx=idx, pos=pos, new=new):
             cache.index_put_((lidx, idx[None], pos[None]), new)
 
         report(
@@ -440,7 +440,7 @@ def main() -> None:
         "--compile-backend",
         default="tpu",
         help="engine on a TPU: torch.compile backend(s), comma-separated, the first is the anchor "
-        "(tpu, tpu-inplace: see src/tpuray/serve/llm/engine/embedded/tpu_compile.py)",
+        "(any torch.compile backend name; default torch_tpu's tpu)",
     )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")

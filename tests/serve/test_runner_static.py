@@ -4,7 +4,6 @@ the exact steps' results, and a compiled runner builds all its programs at warm-
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 
 import pytest
@@ -108,12 +107,3 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
         assert _serve(eager, requests) == got  # the same tokens, seeded sampling included
     finally:
         eager.shutdown()
-
-
-def test_tpu_inplace_backend_without_torch_tpu_is_a_clear_error(tiny_model_dir):
-    if importlib.util.find_spec("torch_tpu") is not None:
-        pytest.skip("torch_tpu is installed: tests/real_tpu covers this backend")
-    with pytest.raises(ImportError, match="compile_backend='tpu-inplace' needs torch_tpu"):
-        ModelRunner(
-            tiny_model_dir, max_num_seqs=2, max_model_len=32, compile=True, compile_backend="tpu-inplace"
-        )

@@ -1,6 +1,6 @@
 """The embedded PyTorch engine (`engine.EmbeddedEngine`) and its internals: one Ray actor per chip
 (`worker.EngineWorker`) runs the Llama-style model (`model`) with its KV cache (`kv_cache`) through
-shape-static steps (`runner`, `step_plan`; compile backends on a TPU: `tpu_compile`); the scheduler
+shape-static steps (`runner`, `step_plan`); the scheduler
 (`scheduler`) batches sequences and samples (`sampling`, `logits`, `grammar`); `prompts` encodes prompts
 and chat messages; `fields` is the table of what the engine honours and refuses.
 

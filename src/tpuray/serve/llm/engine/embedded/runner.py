@@ -51,7 +51,7 @@ class ModelRunner:
     """One shard of the model, its KV cache and the step programs.
 
     `compile` (default: on a real TPU) compiles the prefill and decode programs with torch.compile
-    (`dynamic=False`, torch_tpu's compiler on a TPU, `compile_backend` to choose another: tpu_compile.py) for every
+    (`dynamic=False`, torch_tpu's "tpu" backend on a TPU, `compile_backend` to choose another) for every
     bucket in `warmup()`, so that serving never compiles again; steps are padded to the buckets
     (step_plan.py). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
     anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes)."""
@@ -101,10 +101,9 @@ class ModelRunner:
 
     def _compile(self, backend_name: str) -> None:
         from torch._dynamo import config as dynamo_config
+        from torch._dynamo.backends.registry import lookup_backend
 
-        from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
-
-        backend = lookup(backend_name)
+        backend = lookup_backend(backend_name)
 
         def counting(gm, example_inputs, **kwargs):
             self.compilations += 1
