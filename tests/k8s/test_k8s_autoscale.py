@@ -5,8 +5,11 @@ real code, no cluster) makes of the manifest. CRD schema validation: test_k8s_sc
 from __future__ import annotations
 
 import re
+import shlex
+from pathlib import Path
 
 import pytest
+import yaml
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
 from ray.autoscaler.v2.scheduler import ResourceDemandScheduler, SchedulingRequest
@@ -18,6 +21,7 @@ from ray.core.generated.autoscaler_pb2 import (
 )
 from ray.core.generated.common_pb2 import LabelSelectorOperator
 
+from tpuray.cli import main
 from tpuray.k8s import AutoscaleConfig, K8sConfig, build_manifest, render
 from tpuray.topology import SliceTopology
 
@@ -218,3 +222,20 @@ def test_serving_replicas_are_checked_against_max_slices():
     # --model from zero slices: one replica, which the autoscaler brings a slice up for.
     cfg = K8sConfig("TPU-V6E", "4x4", kind="rayservice", model="m", num_slices=0, autoscale=AutoscaleConfig())
     assert "num_replicas: 1" in build_manifest(cfg)["spec"]["serveConfigV2"]
+
+
+def _subset(small, big) -> bool:
+    if isinstance(small, dict):
+        return isinstance(big, dict) and all(k in big and _subset(v, big[k]) for k, v in small.items())
+    if isinstance(small, list):
+        return isinstance(big, list) and len(small) == len(big) and all(map(_subset, small, big))
+    return small == big
+
+
+def test_doc_example_is_what_the_command_writes(capsys):
+    """docs/autoscaling-k8s.md shows the manifest of one command: it must stay what that command writes."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "autoscaling-k8s.md").read_text()
+    command = re.search(r"For `(tpuray k8s [^`]+)`", doc).group(1)
+    snippet = yaml.safe_load(re.search(r"```yaml\n(.*?)```", doc, re.S).group(1))
+    assert main(shlex.split(command)[1:]) == 0
+    assert _subset(snippet, yaml.safe_load(capsys.readouterr().out)), snippet
