@@ -109,8 +109,12 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="enableInTreeAutoscaling: Ray's autoscaler adds/removes whole slices for pending demand",
     )
-    g.add_argument("--min-slices", type=int, default=None, help="minReplicas in slices (default 0)")
-    g.add_argument("--max-slices", type=int, default=None, help="maxReplicas in slices, >= 1 (default 1)")
+    g.add_argument(
+        "--min-slices", type=int, default=None, metavar="N", help="minReplicas in slices (default 0)"
+    )
+    g.add_argument(
+        "--max-slices", type=int, default=None, metavar="N", help="maxReplicas in slices, >= 1 (default 1)"
+    )
     g.add_argument(
         "--idle-timeout-s",
         type=int,
@@ -121,12 +125,14 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--upscaling-mode",
         default=None,
+        metavar="MODE",
         help=f"autoscalerOptions.upscalingMode: {', '.join(UPSCALING_MODES)} (case-insensitive; "
         "Ray's default: not rate-limited)",
     )
     g.add_argument(
         "--autoscaler-version",
         default=None,
+        metavar="VERSION",
         help=f"autoscalerOptions.version: {' or '.join(AUTOSCALER_VERSIONS)} (default v2; "
         "v1 only for single-host slices)",
     )
