@@ -53,7 +53,12 @@ def test_autoscaled_group_counts_slices(kind, acc, topology, hosts):
     (group,) = spec["workerGroupSpecs"]
     assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 2, 3)  # slices
     assert group["numOfHosts"] == hosts == topo.num_hosts
-    assert group["labels"] == {"ray.io/tpu-pod-type": topo.pod_type, "ray.io/tpu-topology": topo.topology}
+    single_host = {"ray.io/tpu-worker-id": "0"} if hosts == 1 else {}  # its only host is worker 0
+    assert group["labels"] == {
+        "ray.io/tpu-pod-type": topo.pod_type,
+        "ray.io/tpu-topology": topo.topology,
+        **single_host,
+    }
     pod = group["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == topo.topology
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == str(topo.chips_per_host)
@@ -144,15 +149,19 @@ def test_v2_scheduler_meets_slice_demand_within_bounds():
     assert ac.get_node_type_configs()[group].labels == {}
 
 
-def test_v2_scheduler_cannot_match_per_host_label_selector():
+@pytest.mark.parametrize(("topology", "matched"), [("4x4", False), ("2x4", True)])
+def test_v2_scheduler_and_per_host_label_selector(topology, matched):
     """Known gap (docs/autoscaling-k8s.md): a head reservation that also selects `ray.io/tpu-worker-id=0`
-    (Ray's `reserve_tpu_slice`, tpuray's SlicePlacementGroup) matches no node type before a slice runs,
-    because a group cannot declare a per-host label. If Ray learns this, update the doc."""
-    cfg = _autoscaled(autoscale=AutoscaleConfig(max_slices=2), num_slices=0)
+    (Ray's `reserve_tpu_slice`, tpuray's SlicePlacementGroup) matches no multi-host node type before a
+    slice runs, because a group cannot declare a per-host label. If Ray learns this, update the doc."""
+    cfg = _autoscaled("TPU-V6E", topology, autoscale=AutoscaleConfig(max_slices=2), num_slices=0)
     topo = cfg.slice_topology
     gang = _head_gang(topo, {"ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": topo.pod_type})
     launch, reply = _schedule(cfg, gangs=[gang])
-    assert launch == {} and len(reply.infeasible_gang_resource_requests) == 1
+    if matched:  # single-host slices declare worker id 0
+        assert launch == {cfg.worker_group_name: 1} and not reply.infeasible_gang_resource_requests
+    else:
+        assert launch == {} and len(reply.infeasible_gang_resource_requests) == 1
 
 
 @pytest.mark.parametrize(

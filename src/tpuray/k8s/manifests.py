@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from tpuray.constants import POD_TYPE_LABEL, TOPOLOGY_LABEL
+from tpuray.constants import POD_TYPE_LABEL, TOPOLOGY_LABEL, WORKER_ID_LABEL
 from tpuray.k8s.config import (
     GKE_ACCELERATOR_LABEL,
     GKE_SPOT_LABEL,
@@ -121,11 +121,16 @@ def autoscaler_node_labels(cfg: K8sConfig) -> dict[str, str]:
 
     Ray sets the same values on every TPU host by itself; declaring them lets the v2 autoscaler match
     pending demand that selects slices by pod type or topology to this group before any pod exists.
-    Per-host labels (`ray.io/tpu-worker-id`, `ray.io/tpu-slice-name`) cannot be declared: a group's
-    labels are the same on every pod, and a user label would override Ray's per-host value.
+    Per-host labels (`ray.io/tpu-worker-id`, `ray.io/tpu-slice-name`) cannot be declared for multi-host
+    slices: a group's labels are the same on every pod, and a user label would override Ray's per-host
+    value. A single-host slice's only host is worker 0, so there the worker id is declared too (slice
+    head reservations select it).
     """
     topo = cfg.slice_topology
-    return {POD_TYPE_LABEL: topo.pod_type, TOPOLOGY_LABEL: topo.topology}
+    labels = {POD_TYPE_LABEL: topo.pod_type, TOPOLOGY_LABEL: topo.topology}
+    if topo.num_hosts == 1:
+        labels[WORKER_ID_LABEL] = "0"
+    return labels
 
 
 def ray_cluster_spec(cfg: K8sConfig) -> dict[str, Any]:
