@@ -83,7 +83,8 @@ class K8sConfig:
     Quantities (`*_cpu`, `*_memory`) are Kubernetes quantities ("8", "500m", "32Gi"); worker ones
     are per host (per pod). `runtime_env` goes to RayJob's runtimeEnvYAML and to the default Serve
     application; `serve_config` is a Ray Serve config (with `applications`) or the args of
-    `tpuray.serve.llm:build_openai_app` (with `llm_configs`).
+    `tpuray.serve.llm:build_openai_app` (with `llm_configs`). With `autoscale`, Ray's autoscaler keeps
+    between its `min_slices` and `max_slices` slices and `num_slices` (may be 0) is the initial count.
     """
 
     accelerator_type: str
