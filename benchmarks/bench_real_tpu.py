@@ -108,7 +108,7 @@ def decode_split(runner, batch: int, steps: int, pos: int = 40) -> dict:
     rows = [(s, [7], pos, None) for s in range(batch)]
     d = decode_batches(rows, list(range(batch)), runner.buckets, runner.cache.trash_slot)[0]
     dev = runner.device
-    args = (d.tokens.to(dev), d.positions.to(dev), d.slots.to(dev), d.context_len)
+    args = (d.packed.to(dev), d.context_len)
     runner._decode(*args)[1].cpu()
 
     def per_step(fn) -> float:
