@@ -6,12 +6,15 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
   (checked before anything is written), `sleep()` / `wake_up()`, `shutdown()`.
 - `weights`: the Hugging Face name <-> engine tensor mapping (one place); `put_shards(state, config, tp)`
   cuts an update per tensor-parallel rank where the state lives, so each engine rank receives its part.
+- `sync`: weight sync from a `tpuray.train` run: `WeightSync` (driver) / `SyncTarget.send` (every trainer
+  rank sends only its shard, FSDP2; rank 0 the full state, DDP) -> a `TrainerUpdate` for `update_weights`.
 """
 
 from __future__ import annotations
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
+from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, put_shards
 
 __all__ = [
@@ -20,7 +23,11 @@ __all__ = [
     "RolloutEngine",
     "RolloutEngineError",
     "ShardedUpdate",
+    "SyncError",
+    "SyncTarget",
+    "TrainerUpdate",
     "UpdateStats",
     "WeightMismatchError",
+    "WeightSync",
     "put_shards",
 ]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
+from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
 from tpuray.rl.worker import RolloutWorker, RunnerWeights
 from tpuray.serve.llm import model_source
@@ -211,16 +212,18 @@ class RolloutEngine:
         engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice the update
         goes through Ray's object store (put once; every worker pulls it and keeps only its own
         tensor-parallel shard). A `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives)
-        sends each rank only its part; its tensor_parallel_size must be the engine's."""
+        sends each rank only its part; its tensor_parallel_size must be the engine's. A `TrainerUpdate`
+        (`tpuray.rl.sync`: sent by the ranks of a `tpuray.train` run) too: each rank assembles its part
+        from the pieces every trainer rank sent it."""
         import ray
 
         self._check_open("update_weights")
         start = time.perf_counter()
-        if isinstance(update, ShardedUpdate):
+        if isinstance(update, ShardedUpdate | TrainerUpdate):
             if update.tensor_parallel_size != self.tensor_parallel_size:
                 raise WeightMismatchError(
-                    f"a ShardedUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine "
-                    f"runs tensor_parallel_size={self.tensor_parallel_size}"
+                    f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
+                    f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
                 )
         elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
@@ -229,6 +232,8 @@ class RolloutEngine:
                 try:
                     if isinstance(update, ShardedUpdate):
                         self._local.stage_shards(update.refs[0])
+                    elif isinstance(update, TrainerUpdate):
+                        self._local.stage_pieces(update.refs[0])
                     else:
                         self._local.stage(update)
                     written = self._local.commit()
@@ -251,6 +256,8 @@ class RolloutEngine:
         try:
             if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
                 ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
+            elif isinstance(update, TrainerUpdate):  # rank r pulls the pieces addressed to it
+                ray.get(group.call_each("stage_pieces", [(list(refs),) for refs in update.refs]))
             else:
                 ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
                 ray.get(group.call("stage_weights", ref))

@@ -81,6 +81,15 @@ class RunnerWeights:
         self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
+    def stage_pieces(self, refs: Any) -> int:
+        """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
+        `TrainerUpdate`'s refs for this rank); checked like `stage_shards`."""
+        from tpuray.rl.sync import assemble, resolve_pieces
+
+        self.staged = None
+        shards = assemble(resolve_pieces(refs), self.config, self.rank, self.world_size)
+        return self.stage_shards(shards)
+
     def commit(self) -> int:
         """Copy the staged shards into the model (or its host copy while asleep); returns bytes written."""
         if self.staged is None:
@@ -176,6 +185,9 @@ class RolloutWorker(EngineWorker):
 
     def stage_shards(self, shards: Any) -> int:
         return self._w().stage_shards(shards)
+
+    def stage_pieces(self, refs: Any) -> int:
+        return self._w().stage_pieces(refs)
 
     def commit_weights(self) -> int:
         return self._w().commit()
