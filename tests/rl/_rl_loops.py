@@ -28,3 +28,17 @@ def send_loop(config: dict) -> int:
     """Load a model and send it as weight update 1; returns the bytes this rank sent."""
     model = load_policy(config["path"], config["strategy"])
     return config["target"].send(model, version=1)
+
+
+def rl_loop(config: dict) -> list:
+    """An RLRun's trainer: take each batch, send the loaded model's weights as the next version (rank 0
+    returns the batches it saw); raises at iteration `fail_at`."""
+    rl = config["rl"]
+    model = load_policy(config["path"], config["strategy"])
+    seen = []
+    for k in range(rl.iterations):
+        seen.append(rl.batch(k))
+        if config.get("fail_at") == k:
+            raise RuntimeError(f"trainer failure injected at iteration {k}")
+        rl.send(model, version=k + 1)
+    return seen

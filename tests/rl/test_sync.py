@@ -4,18 +4,16 @@ and the pieces' checks, in process."""
 
 from __future__ import annotations
 
-import functools
-import threading
-from typing import Any
-
 import _rl_loops  # noqa: E402
 import pytest
 import ray.cloudpickle
 import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
-from tpuray.rl.sync import WeightSync, assemble, trainer_pieces
+from tpuray.rl.run import RLConfig, RLRun, RLRunError
+from tpuray.rl.sync import assemble, trainer_pieces
 from tpuray.rl.weights import shard_state
+from tpuray.validation import ConfigError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
@@ -51,67 +49,103 @@ def test_pieces_assemble_into_each_ranks_shards(tiny_models):
         assemble([{k: v for k, v in pieces[0].items() if k != "model.norm.weight"}], config, 0, 2)
 
 
-def _fit_in_thread(trainer: Any) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def fit() -> None:
-        try:
-            out["result"] = trainer.fit()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    thread = threading.Thread(target=fit, daemon=True)
-    thread.start()
-    return thread, out
+SCALING = {
+    "num_workers": 2,
+    "use_tpu": True,
+    "topology": "2x2",
+    "accelerator_type": "TPU-V6E",
+    "resources_per_worker": {"TPU": 2},
+}
 
 
-def _check_alive(thread: threading.Thread, out: dict) -> None:
-    if not thread.is_alive():
-        raise AssertionError(f"the trainer ended: {out}")
+def _rollout_config(path: str) -> RolloutConfig:
+    return RolloutConfig(
+        path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
+    )
 
 
-def test_sync_from_a_tpuray_train_run(emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path):
-    """FSDP2 (each of 2 trainer ranks sends its Shard(0) rows, cut per rollout rank) then DDP (rank 0
-    sends all); the engine (TP=2, the other slice) then generates exactly the sent model's tokens."""
+def test_rl_config_refuses_bad_values(tiny_models):
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.torch import TorchTrainer
 
-    cfg = RolloutConfig(
-        tiny_models[0], accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
-    )
-    scaling = ScalingConfig(
-        num_workers=2,
-        use_tpu=True,
-        topology="2x2",
-        accelerator_type="TPU-V6E",
-        resources_per_worker={"TPU": 2},
-    )
+    ok = {"rollout": _rollout_config(tiny_models[0]), "trainer": ScalingConfig(**SCALING)}
+    for bad, named in (
+        ({"placement": "split"}, "placement='split' is invalid; valid: disaggregated, colocated"),
+        ({"placement": "colocated"}, "placement='colocated' is not implemented yet"),
+        ({"overlap": "yes"}, "overlap='yes' is invalid"),
+        ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
+        ({"rollout": RolloutConfig(tiny_models[0])}, "accelerator_type=None"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            RLConfig(**{**ok, **bad})
+    with pytest.raises(ConfigError, match=r"max_failures=1\) is not supported by an RL run"):
+        RLRun(
+            RLConfig(**ok),
+            _rl_loops.rl_loop,
+            run_config=RunConfig(failure_config=FailureConfig(max_failures=1)),
+        )
+
+
+def _alive_train_workers() -> list:
+    import ray._private.state as state
+
+    return [
+        a for a in state.actors().values() if a["State"] != "DEAD" and "TrainWorker" in a["ActorClassName"]
+    ]
+
+
+def test_rl_run_syncs_from_a_tpuray_train_run(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+):
+    """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
+    on the other. FSDP2: each trainer rank sends its own Shard(0) rows, cut per rollout rank; DDP: rank 0
+    sends all. The engine then generates exactly the sent model's tokens: from the next batch on
+    (sequential), one batch later (overlap). A failure of either side ends the run; nothing leaks."""
+    import ray
+
+    from tpuray.train import RunConfig, ScalingConfig
+
+    def rollout_fn(engine: RolloutEngine, k: int) -> list:
+        return _greedy(engine)
+
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    with RolloutEngine(cfg) as engine:
-        for strategy, path, want in (("fsdp2", tiny_models[1], "b"), ("ddp", tiny_models[0], "a")):
-            sync = WeightSync(engine.tensor_parallel_size, trainer_world_size=2)
-            trainer = TorchTrainer(
-                _rl_loops.send_loop,
-                train_loop_config={"path": path, "strategy": strategy, "target": sync.target},
-                scaling_config=scaling,
-                run_config=RunConfig(
-                    storage_path=f"file://{tmp_path}",
-                    name=strategy,
-                    failure_config=FailureConfig(max_failures=0),
-                ),
-            )
-            thread, out = _fit_in_thread(trainer)
+    runs = (("fsdp2", False, 2, ["a", "b"]), ("ddp", True, 3, ["a", "a", "b"]))
+    for strategy, overlap, iterations, want in runs:
+        cfg = RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), overlap=overlap)
+        run = RLRun(
+            cfg,
+            _rl_loops.rl_loop,
+            train_loop_config={"path": tiny_models[1], "strategy": strategy},
+            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=strategy),
+        )
+        result = run.run(iterations, rollout_fn)
+        assert result.batches == [reference[w] for w in want], strategy
+        assert result.train_result.return_value == result.batches  # every batch reached rank 0
+        senders = 2 if strategy == "fsdp2" else 1  # FSDP2: every rank its shard; DDP: rank 0 all
+        assert [t.senders for t in result.times] == [senders] * iterations
+        assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated tensors twice
+        assert len(result.times) == iterations and all(t.sync > 0 for t in result.times)
 
-            update = sync.receive(1, functools.partial(_check_alive, thread, out))
-            senders = [len(refs) for refs in update.refs]
-            assert senders == ([2, 2] if strategy == "fsdp2" else [1, 1]), senders
-            assert all(n < full for n in update.nbytes)  # each rollout rank receives only its part
-            engine.update_weights(update)
-            sync.ack(1)
-            thread.join(120)
-            assert "error" not in out, out
-            sent = out["result"].return_value  # rank 0's bytes
-            assert (sent < full) if strategy == "fsdp2" else (sent >= full)
-            sync.shutdown()
-            assert _greedy(engine) == reference[want], strategy
-    pg_leak_check()
+    def killing_rollout_fn(engine: RolloutEngine, k: int) -> list:
+        if k == 1:
+            ray.kill(engine.group.actors[1], no_restart=True)
+        return _greedy(engine)
+
+    for name, config, fn, error in (
+        (
+            "trainer-fails",
+            {"fail_at": 1},
+            rollout_fn,
+            r"(?s)the trainer failed .*trainer failure injected at iteration 1",
+        ),
+        ("rollout-fails", {}, killing_rollout_fn, r"the rollout engine failed \(RolloutEngineError"),
+    ):
+        run = RLRun(
+            RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING)),
+            _rl_loops.rl_loop,
+            train_loop_config={"path": tiny_models[1], "strategy": "ddp", **config},
+            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
+        )
+        with pytest.raises(RLRunError, match=error):
+            run.run(3, fn)
+        assert not _alive_train_workers(), name
+        pg_leak_check()

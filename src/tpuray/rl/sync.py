@@ -120,6 +120,12 @@ def model_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[
     return (inner if isinstance(inner, torch.nn.Module) else model).state_dict()
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 @dataclass(frozen=True)
 class SyncTarget:
     """What a train loop needs to send weights to the rollout engine (picklable: put it in
@@ -128,14 +134,21 @@ class SyncTarget:
     mailbox: Any  # the _Mailbox actor
     tensor_parallel_size: int
     timeout_s: float
+    iterations: int = 0  # of an RLRun: how many batches the driver sends
+
+    def batch(self, k: int) -> Any:
+        """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it."""
+        import ray
+
+        rank = _rank()
+        return ray.get(self.get(f"batch/{k}/{rank}")[0])
 
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
         """Send this rank's part of the model's weights as update `version` and wait until the engine
         committed it (or refused it: WeightMismatchError). Call on every trainer rank. Returns bytes sent."""
         import ray
-        import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = _rank()
         pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size)
         refs = [ray.put(p) if p else None for p in pieces]
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
