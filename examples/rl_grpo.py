@@ -3,6 +3,8 @@
     python examples/rl_grpo.py                       # rollout engine in this process (CPU)
     python examples/rl_grpo.py --slice               # rollout engine TP=2 on an emulated v6e 2x2 slice
     python examples/rl_grpo.py --colocate            # the engine sleeps (frees its memory) while training
+    python examples/rl_grpo.py --trainer tpuray      # trainer: tpuray.train FSDP2 on a 2nd slice (RLRun)
+    python examples/rl_grpo.py --trainer tpuray --overlap   # generate batch k+1 while training on k
     python examples/rl_grpo.py --png reward.png      # and plot the mean reward per iteration
 
 Each iteration: the rollout engine (`tpuray.rl.RolloutEngine`) samples a group of replies per prompt with
@@ -54,7 +56,7 @@ def policy_step(model, optimizer, rollouts, advantages, clip: float = 0.2) -> tu
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
-    logits = model(ids).logits.float()
+    logits = model(ids.to(next(model.parameters()).device)).logits.float().cpu()
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     losses, gap = [], 0.0
     for i, r in enumerate(rollouts):
@@ -86,6 +88,7 @@ class Iteration:
     train_s: float
     sync_s: float
     sync_bytes: int
+    total_s: float = 0.0  # wall time of the iteration (the phases may overlap)
 
 
 def run(args: argparse.Namespace) -> list[Iteration]:
@@ -104,6 +107,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
 
     torch.manual_seed(args.seed)
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
+    if args.trainer == "tpuray":
+        return run_on_trainer(args, path)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     slice_kwargs = (
@@ -135,7 +140,15 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
                 engine.wake_up()
             t4 = time.perf_counter()
             history.append(
-                Iteration(statistics.fmean(rewards), t1 - t0, t2 - t1, t3 - t2, t4 - t3, stats.bytes_written)
+                Iteration(
+                    statistics.fmean(rewards),
+                    t1 - t0,
+                    t2 - t1,
+                    t3 - t2,
+                    t4 - t3,
+                    stats.bytes_written,
+                    t4 - t0,
+                )
             )
             print(
                 f"iter {it:3d}  mean_reward {history[-1].mean_reward:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
@@ -144,6 +157,80 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
                 flush=True,
             )
         print("sample:", repr(rollouts[0].text))
+    return history
+
+
+def grpo_train_loop(config: dict) -> None:
+    """The trainer of `--trainer tpuray`: every tpuray.train rank holds an FSDP2 shard of the policy,
+    takes each batch of rollouts, steps and sends its shard of the new weights (tpuray.rl.RLRun)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import tpuray.train.torch as tt
+    from tpuray import train
+
+    rl, device = config["rl"], tt.get_device()
+    torch.manual_seed(config["seed"])
+    policy = AutoModelForCausalLM.from_pretrained(config["path"], dtype=torch.float32).to(device)
+    fully_shard(policy, mesh=init_device_mesh(device.type, (train.get_context().get_world_size(),)))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config["lr"], weight_decay=0.0)
+    for k in range(rl.iterations):
+        rollouts, advantages = rl.batch(k)
+        t = time.perf_counter()
+        for _ in range(config["epochs"]):  # every rank steps on the whole batch (a tiny one)
+            loss, _ = policy_step(policy, optimizer, rollouts, advantages)
+        train.report({"loss": loss, "train_s": time.perf_counter() - t})
+        rl.send(policy, version=k + 1)
+
+
+def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
+    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngine
+    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.train import RunConfig, ScalingConfig
+
+    rollout = RolloutConfig(path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=64)
+    trainer = ScalingConfig(
+        num_workers=2,
+        use_tpu=True,
+        topology="2x2",
+        accelerator_type="TPU-V6E",
+        resources_per_worker={"TPU": 2},
+    )
+    prompts = [p for p in PROMPTS for _ in range(args.group)]
+    split: list[tuple[float, float, float]] = []
+
+    def rollout_fn(engine: RolloutEngine, k: int) -> tuple:
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + k)
+        rollouts = engine.generate(prompts, params)
+        t1 = time.perf_counter()
+        rewards = [reward(r.text, args.words) for r in rollouts]
+        split.append((statistics.fmean(rewards), t1 - t0, time.perf_counter() - t1))
+        return rollouts, group_advantages(rewards, args.group)
+
+    config = {"path": path, "lr": args.lr, "epochs": args.epochs, "seed": args.seed}
+    with tempfile.TemporaryDirectory(prefix="rl-grpo-run-") as storage:
+        run = RLRun(
+            RLConfig(rollout, trainer, overlap=args.overlap),
+            grpo_train_loop,
+            train_loop_config=config,
+            run_config=RunConfig(storage_path=storage, name="grpo", verbose=0),
+        )
+        result = run.run(args.iterations, rollout_fn)
+    history = []
+    trained = [m["train_s"] for m in result.train_result.metrics_history]
+    for k, stats in enumerate(result.times):
+        mean, gen, rew = split[k]
+        history.append(Iteration(mean, gen, rew, trained[k], stats.sync, stats.sync_bytes, stats.total))
+        print(
+            f"iter {k:3d}  mean_reward {mean:.3f}  generate {gen:.2f}s reward {rew:.3f}s train {trained[k]:.2f}s "
+            f"sync {stats.sync:.2f}s ({stats.sync_bytes / 1e6:.1f} MB)  iteration {stats.total:.2f}s",
+            flush=True,
+        )
     return history
 
 
@@ -179,19 +266,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="sleep the rollout engine while the trainer steps (chip hand-over)",
     )
+    parser.add_argument(
+        "--trainer",
+        choices=("driver", "tpuray"),
+        default="driver",
+        help="driver: plain PyTorch in this process; tpuray: tpuray.train (FSDP2, 2 workers) on one emulated "
+        "v6e 2x2 slice, the rollout engine on another (tpuray.rl.RLRun)",
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="--trainer tpuray: generate the next batch while training"
+    )
     parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
     parser.add_argument("--png", default=None, help="plot the mean reward per iteration to this file")
     args = parser.parse_args(argv)
     for name in ("iterations", "group", "words", "max_tokens", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
+    if args.trainer == "tpuray" and (args.slice or args.colocate):
+        parser.error("--trainer tpuray places both sides itself (two slices); drop --slice / --colocate")
+    if args.overlap and args.trainer != "tpuray":
+        parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
     return args
 
 
 def main(argv: list[str] | None = None) -> list[Iteration]:
     args = parse_args(argv)
     cluster = None
-    if args.slice:
+    if args.slice or args.trainer == "tpuray":
         import ray
 
         if args.address:
@@ -199,7 +300,8 @@ def main(argv: list[str] | None = None) -> list[Iteration]:
         else:
             from tpuray.emulator import EmulatedCluster, SliceRequest
 
-            cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2")], head_cpus=2)
+            slices = 2 if args.trainer == "tpuray" else 1
+            cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=slices)], head_cpus=2)
             cluster.start()
             cluster.connect()
     try:

@@ -1,5 +1,6 @@
 """examples/rl_grpo.py: GRPO with the rollout engine in this process (the mean reward rises) and on an
-emulated slice (the loop runs with TP=2 and weight sync every iteration)."""
+emulated slice (the loop runs with TP=2 and weight sync every iteration; with the trainer on tpuray.train
+on the other slice, overlapped)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def grpo() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(module)  # its train loop runs on tpuray.train workers
     return module
 
 
@@ -32,6 +36,8 @@ def test_reward_and_advantages(grpo):
     assert adv[0] > 0 > adv[1] and adv[2] == adv[3] == 0.0
     with pytest.raises(SystemExit):
         grpo.parse_args(["--group", "0"])
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--overlap"])  # needs --trainer tpuray
 
 
 def test_grpo_in_process_raises_the_mean_reward(grpo, capsys, tmp_path):
@@ -51,4 +57,8 @@ def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, grpo, capsys
     assert len(history) == 3 and all(it.sync_bytes > 0 and it.generate_s > 0 for it in history)
     out = capsys.readouterr().out
     assert "tensor_parallel_size=2" in out and "EMULATED TPU" in out
+    # the trainer on tpuray.train (FSDP2, one slice), the engine on the other, overlapped (RLRun)
+    args = ["--iterations", "2", "--group", "2", "--trainer", "tpuray", "--overlap"]
+    history = grpo.run(grpo.parse_args(args))
+    assert len(history) == 2 and all(it.train_s > 0 and it.sync_bytes > 0 for it in history)
     pg_leak_check()
