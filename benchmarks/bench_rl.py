@@ -16,7 +16,6 @@ sequentially and with `--overlap`. Goals: sync < 10% of an iteration; overlap <=
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -104,20 +103,9 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     return statistics.median(sync), statistics.median(sharded), statistics.median(raw), nbytes
 
 
-def _example():
-    import ray.cloudpickle
-
-    spec = importlib.util.spec_from_file_location("rl_grpo", HERE.parent / "examples" / "rl_grpo.py")
-    assert spec is not None and spec.loader is not None
-    grpo = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = grpo
-    spec.loader.exec_module(grpo)
-    ray.cloudpickle.register_pickle_by_value(grpo)  # its train loop runs on tpuray.train workers
-    return grpo
-
-
 def bench_iterations(iterations: int, *extra: str) -> list:
-    grpo = _example()
+    from tpuray.rl import grpo
+
     return grpo.run(grpo.parse_args(["--iterations", str(iterations), *extra]))
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
 PROMPTS = ["Hello world", "1 + 2 =", "The"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

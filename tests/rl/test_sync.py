@@ -137,7 +137,12 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
             rollout_fn,
             r"(?s)the trainer failed .*trainer failure injected at iteration 1",
         ),
-        ("rollout-fails", {}, killing_rollout_fn, r"the rollout engine failed \(RolloutEngineError"),
+        (
+            "rollout-fails",
+            {},
+            killing_rollout_fn,
+            r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError",
+        ),
     ):
         run = RLRun(
             RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING)),

@@ -154,9 +154,13 @@ class RLRun:
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
         engine = RolloutEngine(self.config.rollout)  # reserves the rollout slice (or raises, nothing held)
-        sync = WeightSync(
-            engine.tensor_parallel_size, self.config.trainer_world_size, self.config.sync_timeout_s
-        )
+        try:
+            sync = WeightSync(
+                engine.tensor_parallel_size, self.config.trainer_world_size, self.config.sync_timeout_s
+            )
+        except BaseException:
+            engine.shutdown()
+            raise
         try:
             self._start_trainer(sync, iterations)
             batches, times = self._loop(engine, sync, iterations, rollout_fn)
@@ -165,7 +169,11 @@ class RLRun:
             self._stop(sync)
             if isinstance(e, RLRunError):
                 raise
-            side = "the rollout engine" if not isinstance(e, KeyboardInterrupt) else "the driver"
+            side = (
+                "the driver"
+                if isinstance(e, KeyboardInterrupt)
+                else "the rollout side (engine or rollout_fn)"
+            )
             raise RLRunError(f"the RL run ended: {side} failed ({type(e).__name__}: {e})") from e
         finally:
             sync.shutdown()
