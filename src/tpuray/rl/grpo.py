@@ -2,12 +2,7 @@
 `examples/rl_grpo.py` and `tpuray demo --rl` (a toy that shows the substrate at work, not an RL
 algorithm library).
 
-    python examples/rl_grpo.py                       # rollout engine in this process (CPU)
-    python examples/rl_grpo.py --slice               # rollout engine TP=2 on an emulated v6e 2x2 slice
-    python examples/rl_grpo.py --colocate            # the engine sleeps (frees its memory) while training
-    python examples/rl_grpo.py --trainer tpuray      # trainer: tpuray.train FSDP2 on a 2nd slice (RLRun)
-    python examples/rl_grpo.py --trainer tpuray --overlap   # generate batch k+1 while training on k
-    python examples/rl_grpo.py --png reward.png      # and plot the mean reward per iteration
+Usage (every option): `python examples/rl_grpo.py --help`.
 
 Each iteration: the rollout engine (`tpuray.rl.RolloutEngine`) samples a group of replies per prompt with
 their logprobs; the reward is 1 for exactly N words, less the further the count is from N; GRPO's
