@@ -97,60 +97,50 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
-    on the other. FSDP2: each trainer rank sends its own Shard(0) rows, cut per rollout rank; DDP: rank 0
-    sends all. The engine then generates exactly the sent model's tokens: from the next batch on
-    (sequential), one batch later (overlap). A failure of either side ends the run; nothing leaks."""
+    on the other. FSDP2 with overlap: each trainer rank sends its own Shard(0) rows, cut per rollout
+    rank, and the engine generates the sent model's tokens one batch later. DDP sequential: rank 0 sends
+    all, the tokens change from the next batch on, then the trainer fails; then a rollout worker dies.
+    A failure of either side ends the run with RLRunError; no worker or placement group is left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
 
-    def rollout_fn(engine: RolloutEngine, k: int) -> list:
-        return _greedy(engine)
+    def run(name: str, overlap: bool, iterations: int, rollout_fn, **loop_config):
+        rl = RLRun(
+            RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), overlap=overlap),
+            _rl_loops.rl_loop,
+            train_loop_config={"path": tiny_models[1], **loop_config},
+            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
+        )
+        return rl.run(iterations, rollout_fn)
 
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    runs = (("fsdp2", False, 2, ["a", "b"]), ("ddp", True, 3, ["a", "a", "b"]))
-    for strategy, overlap, iterations, want in runs:
-        cfg = RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), overlap=overlap)
-        run = RLRun(
-            cfg,
-            _rl_loops.rl_loop,
-            train_loop_config={"path": tiny_models[1], "strategy": strategy},
-            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=strategy),
-        )
-        result = run.run(iterations, rollout_fn)
-        assert result.batches == [reference[w] for w in want], strategy
-        assert result.train_result.return_value == result.batches  # every batch reached rank 0
-        senders = 2 if strategy == "fsdp2" else 1  # FSDP2: every rank its shard; DDP: rank 0 all
-        assert [t.senders for t in result.times] == [senders] * iterations
-        assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated tensors twice
-        assert len(result.times) == iterations and all(t.sync > 0 for t in result.times)
+    result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), strategy="fsdp2")
+    assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0
+    assert result.train_result.return_value == result.batches  # every batch reached rank 0
+    assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
+    assert all(full < t.sync_bytes < 2 * full and t.sync > 0 for t in result.times)  # TP=2: replicated x2
 
-    def killing_rollout_fn(engine: RolloutEngine, k: int) -> list:
+    seen: list = []
+
+    def recording(engine: RolloutEngine, k: int) -> list:
+        seen.append(_greedy(engine))
+        return seen[-1]
+
+    with pytest.raises(RLRunError, match=r"(?s)the trainer failed .*trainer failure injected at iteration 2"):
+        run("ddp", False, 3, recording, strategy="ddp", fail_at=2)
+    assert seen == [reference[w] for w in "abb"]
+    assert not _alive_train_workers()
+    pg_leak_check()
+
+    def killing(engine: RolloutEngine, k: int) -> list:
         if k == 1:
             ray.kill(engine.group.actors[1], no_restart=True)
         return _greedy(engine)
 
-    for name, config, fn, error in (
-        (
-            "trainer-fails",
-            {"fail_at": 1},
-            rollout_fn,
-            r"(?s)the trainer failed .*trainer failure injected at iteration 1",
-        ),
-        (
-            "rollout-fails",
-            {},
-            killing_rollout_fn,
-            r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError",
-        ),
+    with pytest.raises(
+        RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
-        run = RLRun(
-            RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING)),
-            _rl_loops.rl_loop,
-            train_loop_config={"path": tiny_models[1], "strategy": "ddp", **config},
-            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
-        )
-        with pytest.raises(RLRunError, match=error):
-            run.run(3, fn)
-        assert not _alive_train_workers(), name
-        pg_leak_check()
+        run("rollout-fails", False, 3, killing, strategy="ddp")
+    assert not _alive_train_workers()
+    pg_leak_check()
