@@ -114,6 +114,12 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
         )
         return rl.run(iterations, rollout_fn)
 
+    two_slices = ScalingConfig(**{**SCALING, "num_workers": 4})  # + the engine's: 3 slices, 2 exist
+    with pytest.raises(
+        RLRunError, match=r"needs 3 x v6e-4 slice\(s\) at once .* has 2; nothing was reserved"
+    ):
+        RLRun(RLConfig(_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
+
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
     result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), strategy="fsdp2")
     assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0

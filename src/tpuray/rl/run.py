@@ -119,8 +119,9 @@ class RLResult:
 
 class RLRun:
     """Runs `train_loop` under tpuray.train and the rollout engine as `config` places them (module doc).
-    Reservation is all or nothing: the rollout engine's slice first, then the trainer's (fit()); any
-    failure on the way, or of either side later, releases both and raises RLRunError."""
+    Reservation is all or nothing: the cluster's slices are counted first (too few: RLRunError, nothing
+    reserved), then the rollout engine's slice is reserved, then the trainer's (fit()); any failure on the
+    way, or of either side later, releases both and raises RLRunError."""
 
     def __init__(
         self,
@@ -153,6 +154,7 @@ class RLRun:
         """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
+        self._check_capacity()
         engine = RolloutEngine(self.config.rollout)  # reserves the rollout slice (or raises, nothing held)
         try:
             sync = WeightSync(
@@ -178,6 +180,33 @@ class RLRun:
         finally:
             sync.shutdown()
             engine.shutdown()
+
+    def _check_capacity(self) -> None:
+        """Before reserving anything: the cluster must hold enough intact slices of each side's shape at
+        once (the rollout engine's and the trainer's num_slices), else RLRunError listing its slices."""
+        import ray
+
+        from tpuray.slices.inventory import format_slices, list_slices
+        from tpuray.topology import SliceTopology
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RLRun.run needs this process connected to a Ray cluster with the slices (ray.init)"
+            )
+        rollout, trainer = self.config.rollout, self.config.trainer
+        assert rollout.accelerator_type is not None and rollout.topology is not None  # RLConfig checked
+        assert trainer.slice_topology is not None and trainer.num_slices is not None
+        need = {SliceTopology.parse(rollout.accelerator_type, rollout.topology).pod_type: 1}
+        pod = trainer.slice_topology.pod_type
+        need[pod] = need.get(pod, 0) + trainer.num_slices
+        slices = list_slices()
+        for pod, n in need.items():
+            have = sum(1 for s in slices if s.pod_type == pod and s.intact and not s.draining)
+            if have < n:
+                raise RLRunError(
+                    f"the RL run needs {n} x {pod} slice(s) at once (the rollout engine's and the trainer's); "
+                    f"this cluster has {have}; nothing was reserved. TPU slices:\n{format_slices(slices)}"
+                )
 
     # -- the trainer --------------------------------------------------------------------------------------
     def _start_trainer(self, sync: WeightSync, iterations: int) -> None:
