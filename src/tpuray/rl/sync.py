@@ -216,7 +216,7 @@ def _join(name: str, pieces: list[Piece], full: tuple[int, ...], rank: int, worl
 def resolve_pieces(refs: Any) -> list[dict[str, Piece]]:
     import ray
 
-    return [p for p in ray.get([r for r in refs if r is not None])]
+    return list(ray.get([r for r in refs if r is not None]))
 
 
 # -- the driver's side ----------------------------------------------------------------------------------
