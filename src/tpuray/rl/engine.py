@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
+from tpuray.rl.protocol import GenerationEngine
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
 from tpuray.rl.worker import RolloutWorker, RunnerWeights
@@ -73,7 +74,16 @@ class _RolloutEmbeddedEngine(EmbeddedEngine):
 
 class RolloutEngine:
     """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over the embedded engine
-    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock)."""
+    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock).
+    Where `config.resolved_engine` is "vllm", `RolloutEngine(config)` is a `VLLMRolloutEngine`
+    (tpuray.rl.vllm_rollout): the same API over vLLM."""
+
+    def __new__(cls, config: RolloutConfig) -> RolloutEngine:
+        if cls is RolloutEngine and getattr(config, "resolved_engine", None) == "vllm":
+            from tpuray.rl.vllm_rollout import VLLMRolloutEngine
+
+            return super().__new__(VLLMRolloutEngine)
+        return super().__new__(cls)
 
     def __init__(self, config: RolloutConfig) -> None:
         if not isinstance(config, RolloutConfig):
@@ -89,16 +99,17 @@ class RolloutEngine:
         self.version = 0  # weight updates committed
         self._local: RunnerWeights | None = None
         try:
-            self._engine = _RolloutEmbeddedEngine(
-                config.llm_config,
-                use_actors=config.on_slice,
-                reservation_timeout_s=config.reservation_timeout_s,
-            )
+            self._engine: GenerationEngine = self._start_engine(config)
         except BaseException:
             self._loop.close()
             raise
         if self._engine.runner is not None:
             self._local = RunnerWeights(self._engine.runner, path, rank=0, world_size=1)
+
+    def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
+        return _RolloutEmbeddedEngine(
+            config.llm_config, use_actors=config.on_slice, reservation_timeout_s=config.reservation_timeout_s
+        )
 
     # -- info ---------------------------------------------------------------------------------------------
     @property
