@@ -14,6 +14,7 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
 
 from __future__ import annotations
 
+from tpuray.rl import vllm_rollout  # noqa: F401  (registers RolloutEngine's vLLM subclass)
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
 from tpuray.rl.run import IterationStats, RLConfig, RLResult, RLRun, RLRunError

@@ -75,14 +75,19 @@ class _RolloutEmbeddedEngine(EmbeddedEngine):
 class RolloutEngine:
     """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over the embedded engine
     (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock).
-    Where `config.resolved_engine` is "vllm", `RolloutEngine(config)` is a `VLLMRolloutEngine`
-    (tpuray.rl.vllm_rollout): the same API over vLLM."""
+    `RolloutEngine(config)` makes the subclass whose `engine_name` is `config.resolved_engine`
+    (`VLLMRolloutEngine` in tpuray.rl.vllm_rollout for "vllm", registered by importing `tpuray.rl`): the
+    same API over that engine."""
+
+    engine_name = "embedded"
 
     def __new__(cls, config: RolloutConfig) -> RolloutEngine:
-        if cls is RolloutEngine and getattr(config, "resolved_engine", None) == "vllm":
-            from tpuray.rl.vllm_rollout import VLLMRolloutEngine
-
-            return super().__new__(VLLMRolloutEngine)
+        wanted = getattr(config, "resolved_engine", cls.engine_name)
+        if cls is RolloutEngine and wanted != cls.engine_name:
+            for sub in cls.__subclasses__():
+                if sub.engine_name == wanted:
+                    return super().__new__(sub)
+            raise RuntimeError(f"no rollout engine registered for engine={wanted!r} (import tpuray.rl)")
         return super().__new__(cls)
 
     def __init__(self, config: RolloutConfig) -> None:

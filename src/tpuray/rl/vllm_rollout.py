@@ -137,6 +137,8 @@ class VLLMGeneration(PromptEncoder):
 class VLLMRolloutEngine(RolloutEngine):
     """`RolloutEngine` over vLLM (see the module docstring); made by `RolloutEngine(config)`."""
 
+    engine_name = "vllm"
+
     _engine: VLLMGeneration
 
     def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
