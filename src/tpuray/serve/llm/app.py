@@ -299,8 +299,10 @@ def _with_fast_path(actor_options: dict[str, Any]) -> dict[str, Any]:
 def _server_options(config: LLMConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "max_ongoing_requests": 1024,
-        "health_check_period_s": 30,
-        "health_check_timeout_s": 60,
+        # Ray Serve LLM's period: a replica whose engine died is found within 10 s and replaced
+        # (docs/serve.md, "When an engine dies"); the check pings each engine worker, queued behind a step
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
     }
     opts.update(config.deployment_config)
     actor = dict(opts.get("ray_actor_options") or {})

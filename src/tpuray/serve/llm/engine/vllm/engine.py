@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from tpuray.constants import VLLM_PLATFORM_ENV
@@ -29,6 +30,12 @@ logger = logging.getLogger(__name__)
 # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB per worker) or, without it, from
 # gpu_memory_utilization x host memory (default 0.92: all of it). Without either, tpuray asks for this.
 DEFAULT_CPU_KVCACHE_GIB = "1"
+
+SHUTDOWN_TIMEOUT_S = 10.0  # the most a replica waits for vLLM's client to stop (then it moves on)
+
+# vLLM clients of engine cores that died: kept referenced for the life of the process, never collected,
+# because collecting one blocks forever in its zmq context's clean-up (the process exits without it).
+_DEAD_CLIENTS: list[Any] = []
 
 
 class VLLMEngine:
@@ -175,19 +182,44 @@ class VLLMEngine:
             "bundle_nodes": bundles,  # the node of each per-chip bundle (one vLLM worker each)
             "emulated": self.emulated,
             "where": self.where(),
+            "engine_core_pids": self.engine_core_pids(),
         }
+
+    def engine_core_pids(self) -> list[int]:
+        """The process ids of vLLM's engine core (a child process of the replica)."""
+        resources = getattr(getattr(self.client, "engine_core", None), "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
 
     async def check_health(self) -> None:
         await self.client.check_health()
 
+    def engine_error(self) -> BaseException | None:
+        """vLLM's EngineDeadError once its engine core died (None while it runs)."""
+        client = self.client
+        return client.dead_error if client is not None and client.errored else None
+
     def shutdown(self) -> None:
-        """Stop vLLM (engine core and its workers) and release the slice. Idempotent."""
+        """Stop vLLM (engine core and its workers) and release the slice. Idempotent, and bounded: the
+        client stops in a daemon thread given SHUTDOWN_TIMEOUT_S; a dead engine core's client is kept
+        (`_DEAD_CLIENTS`) so that its zmq context is never collected."""
         client, self.client = self.client, None
         if client is not None:
-            try:
-                client.shutdown()
-            except Exception:  # noqa: BLE001 - the slice must be released anyway
-                logger.exception("vLLM engine shutdown failed")
+            if client.errored:
+                _DEAD_CLIENTS.append(client)
+            stop = threading.Thread(target=_stop_client, args=(client,), name="vllm-shutdown", daemon=True)
+            stop.start()
+            stop.join(SHUTDOWN_TIMEOUT_S)
+            if stop.is_alive():
+                _DEAD_CLIENTS.append(client)
+                logger.warning("vLLM's client did not stop within %ss; leaving it", SHUTDOWN_TIMEOUT_S)
         spg, self.spg = self.spg, None
         if spg is not None:
             spg.shutdown()
+
+
+def _stop_client(client: Any) -> None:
+    try:
+        client.shutdown()
+    except Exception:  # noqa: BLE001 - the slice must be released anyway
+        logger.exception("vLLM engine shutdown failed")
