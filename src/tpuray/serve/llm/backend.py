@@ -92,10 +92,11 @@ def warm_up_error(
 
 
 def engine_dead_error(model_id: str, cause: BaseException) -> OpenAIError:
-    """What a client gets from a replica whose engine died: 503, retry (Serve is replacing the replica)."""
+    """What a client gets when the engine of its model died (or the model's replica, behind a router):
+    503, retry (Serve is replacing the replica)."""
     return OpenAIError(
-        f"model `{model_id}`: its engine died ({type(cause).__name__}: {cause}); this replica is being "
-        "replaced, retry shortly",
+        f"model `{model_id}` is unavailable: its engine died ({type(cause).__name__}: {cause}); Serve is "
+        "replacing its replica, retry shortly",
         503,
         type="service_unavailable",
         code="engine_dead",

@@ -6,9 +6,9 @@ position, joined by a `tpu_dist` process group) and drives one step at a time fr
 `shutdown()` stops the workers and releases the slice; `generate` after it raises EngineShutDownError.
 
 A worker that dies (its process killed, its host lost) kills the engine: the tensor-parallel group cannot
-step without it. The engine then fails every sequence it holds and every later `generate` with
-EngineDeadError at once (no step waits on the dead group), and `check_alive` raises it, so the serving
-replica fails its health check and Serve replaces it on a fresh slice reservation.
+step without it. The engine then fails every sequence it holds and every later `generate` at once with
+Ray's error of that death (`dead`; no step waits on the dead group), and `check_alive` raises it, so the
+serving replica fails its health check and Serve replaces it on a fresh slice reservation.
 """
 
 from __future__ import annotations
@@ -50,14 +50,6 @@ class EngineShutDownError(RuntimeError):
     """A request reached an engine after `shutdown()`."""
 
 
-class EngineDeadError(RuntimeError):
-    """A worker of the engine died: the engine generates nothing more (`cause`: Ray's error)."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"an engine worker died: {type(cause).__name__}: {cause}")
-        self.cause = cause
-
-
 class EmbeddedEngine(PromptEncoder):
     worker_cls: type[EngineWorker] = EngineWorker  # the per-chip actor (tpuray.rl: a RolloutWorker)
 
@@ -96,7 +88,7 @@ class EmbeddedEngine(PromptEncoder):
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
-        self.dead: EngineDeadError | None = None  # set once a worker died (never cleared)
+        self.dead: BaseException | None = None  # Ray's error of a worker's death (never cleared)
         self.metrics = None
         if config.log_engine_metrics:
             from tpuray.serve.llm.metrics import EngineMetrics
@@ -227,7 +219,7 @@ class EmbeddedEngine(PromptEncoder):
             logger.error(
                 "model %s: an engine worker died, the engine is dead: %s", self.config.model_id, error
             )
-            self.dead = EngineDeadError(error)
+            self.dead = error
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             sched.abort(seq)
@@ -235,8 +227,8 @@ class EmbeddedEngine(PromptEncoder):
         return True
 
     async def check_alive(self) -> None:
-        """Raise EngineDeadError when a worker is dead (each worker answers a no-op call, queued behind
-        the step it runs, if any)."""
+        """Raise Ray's error when a worker is dead (each worker answers a no-op call, queued behind the
+        step it runs, if any)."""
         if self.dead is None and self.group is not None:
             try:
                 await asyncio.gather(*(actor.__ray_ready__.remote() for actor in self.group.actors))
@@ -244,7 +236,7 @@ class EmbeddedEngine(PromptEncoder):
                 if not self._died(e):
                     raise
         if self.dead is not None:
-            raise self.dead
+            raise self.dead.with_traceback(None)  # one error for many requests: no growing traceback
 
     # -- public API ---------------------------------------------------------------------------------------
     def grammar(self, schema: dict | None) -> Any:
@@ -263,7 +255,7 @@ class EmbeddedEngine(PromptEncoder):
         if self.closed:
             raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
         if self.dead is not None:
-            raise self.dead
+            raise self.dead.with_traceback(None)  # one error for many requests: no growing traceback
         self._ensure_loop()
         seq = Sequence(list(prompt_ids), params, params.generator(index), asyncio.Queue())
         self.scheduler.add(seq)
