@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.openai_schema import OpenAIError
 
 
 class Backend(Protocol):
