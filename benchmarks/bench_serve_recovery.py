@@ -101,8 +101,9 @@ def run_case(cluster, port: int, engine: str, what: str, model_dir: str) -> dict
             t0 = time.time()
             try:
                 outcome = await request(http, url, i, n)
-            except httpx.HTTPError as e:
+            except httpx.HTTPError as e:  # e.g. the proxy restarting: counted, retried after a pause
                 outcome = f"client error {type(e).__name__}"
+                await asyncio.sleep(0.5)
             done.append((t0, time.time() - t0, outcome))
             n += 1
 

@@ -13,8 +13,10 @@ The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -48,6 +50,8 @@ class VLLMEngine:
         self.spg: Any = None
         self.client: Any = None
         self.emulated = False
+        self.nodes: list[str] = []  # the slice's hosts, as reserved
+        self.lost: BaseException | None = None  # a host of the slice died: the engine core was ended
         self.engine_args, self.frontend_args = split_engine_kwargs(config)
         try:
             if config.topology is not None:
@@ -76,6 +80,7 @@ class VLLMEngine:
             resources_per_bundle={"TPU": 1, "CPU": 1},
             timeout_s=timeout_s,
         )
+        self.nodes = self.spg.node_ids()
         emulated = {s.name for s in list_slices() if s.emulated}
         self.emulated = bool(set(self.spg.slice_names) & emulated)
         if self.emulated:
@@ -192,11 +197,27 @@ class VLLMEngine:
         return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
 
     async def check_health(self) -> None:
+        """vLLM's own check, after ending the engine core when a host of the slice died: vLLM's Ray
+        executor waits on a dead worker for minutes, so requests would hang; without its engine core,
+        vLLM fails them (EngineDeadError) at once."""
+        if self.nodes and self.lost is None:
+            from tpuray.slices.drain import dead_nodes
+
+            gone = await asyncio.to_thread(dead_nodes, self.nodes)
+            if gone:
+                self.lost = RuntimeError(f"host(s) {sorted(gone)} of the engine's TPU slice died")
+                logger.error("%s: %s; ending vLLM's engine core", self.config.model_id, self.lost)
+                for pid in self.engine_core_pids():
+                    os.kill(pid, signal.SIGKILL)
+        if self.lost is not None:
+            raise self.lost
         await self.client.check_health()
 
     def engine_error(self) -> BaseException | None:
-        """vLLM's EngineDeadError once its engine core died (None while it runs)."""
+        """vLLM's EngineDeadError once its engine core died, or the loss of a host (None while it runs)."""
         client = self.client
+        if self.lost is not None:
+            return self.lost
         return client.dead_error if client is not None and client.errored else None
 
     def shutdown(self) -> None:
