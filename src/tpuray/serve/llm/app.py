@@ -307,8 +307,8 @@ def _with_fast_path(actor_options: dict[str, Any]) -> dict[str, Any]:
 def _server_options(config: LLMConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "max_ongoing_requests": 1024,
-        # Ray Serve LLM's period: a replica whose engine died is found within 10 s and replaced
-        # (docs/serve.md, "When an engine dies"); the check pings each engine worker, queued behind a step
+        # Ray Serve LLM's period: a replica whose engine died fails every check and Serve replaces it after
+        # 3 in a row (docs/serve.md, "When an engine dies"); the check pings each engine worker, after a step
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
     }
