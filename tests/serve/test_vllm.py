@@ -5,12 +5,17 @@ reference. Skipped where vLLM is not installed (`make test` installs it)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import os
+import signal
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from _engine_death import Load, kill_under_load
 from _schemas import PERSON
 
 from _util import live_placement_groups, new_placement_groups
@@ -62,6 +67,8 @@ def configs(model_dir: str):
         accelerator_config={"kind": "tpu", "topology": "2x2"},
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
         engine_kwargs={"tensor_parallel_size": 4, **ENGINE_KWARGS},
+        # Serve replaces a replica after 3 failed checks in a row (test_a_dead_engine_core_...)
+        deployment_config={"health_check_period_s": 2},
     )
     tp1 = LLMConfig(
         model_loading_config={"model_id": TP1, "model_source": model_dir},
@@ -419,6 +426,27 @@ def test_unknown_engine_kwargs_fail_before_reserving(vllm_model_dir):
         )
         with pytest.raises(ValueError, match=match):
             build_openai_app(LLMServingArgs(llm_configs=[cfg]))
+
+
+def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):
+    """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
+    get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it
+    on a fresh slice reservation; the old replica's shutdown does not hang on the dead core's client."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer:{TP4}", app_name="tpuray-vllm")
+    old = handle.describe.remote().result()
+    assert old["engine_core_pids"], old
+    load = Load(app[0] + "/v1/completions", TP4, headers={"Authorization": f"Bearer {API_KEY}"})
+    kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
+    tally = asyncio.run(kill_under_load(load, kill))
+    assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
+    new = handle.describe.remote().result()
+    assert new["placement_group_id"] != old["placement_group_id"]
+    assert old["placement_group_id"] not in live_placement_groups(), (
+        "the dead engine's slice was not released"
+    )
+    assert new["placement_group_id"] in live_placement_groups()
 
 
 def test_deleting_the_app_releases_the_slice(app):

@@ -24,8 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import Deployment
 
+from tpuray.serve.llm.backend import engine_dead_error
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
 from tpuray.serve.llm.openai_schema import OpenAIError, error_from_validation
@@ -235,12 +237,16 @@ class LLMRouter:
         endpoint = ROUTES[request.scope["route"].path]
         # size and nesting bounded before parsing; a large body parsed off the event loop
         body = await read_json(request.stream(), request.headers.get("content-length"))
-        backend = self._backend(body.get("model"), endpoint)
-        if body.get("stream") is not True:
-            result = await backend.call(endpoint, body)
-            return error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
-        gen = backend.stream(endpoint, body)
-        first = await gen.__anext__()
+        model = body.get("model")
+        backend = self._backend(model, endpoint)
+        try:
+            if body.get("stream") is not True:
+                result = await backend.call(endpoint, body)
+                return error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
+            gen = backend.stream(endpoint, body)
+            first = await gen.__anext__()
+        except RayActorError as e:  # the model's LLMServer replica died (two-deployment layout)
+            return error_response(engine_dead_error(str(model), e))
         if isinstance(first, OpenAIError):  # refused before the first token: a plain error response
             await _close(gen)
             return error_response(first)
@@ -252,9 +258,11 @@ class LLMRouter:
                     yield _sse(chunk)
                     if isinstance(chunk, OpenAIError):
                         break
-                yield "data: [DONE]\n\n"
+            except RayActorError as e:
+                yield _sse(engine_dead_error(str(model), e))
             finally:
                 await _close(gen)
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -299,8 +307,10 @@ def _with_fast_path(actor_options: dict[str, Any]) -> dict[str, Any]:
 def _server_options(config: LLMConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "max_ongoing_requests": 1024,
-        "health_check_period_s": 30,
-        "health_check_timeout_s": 60,
+        # Ray Serve LLM's period: a replica whose engine died fails every check and Serve replaces it after
+        # 3 in a row (docs/serve.md, "When an engine dies"); the check pings each engine worker, after a step
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
     }
     opts.update(config.deployment_config)
     actor = dict(opts.get("ray_actor_options") or {})

@@ -9,6 +9,11 @@ A backend takes requests as JSON dicts parsed by its own protocol and raises Ope
 request. `start()` proves its engine (a 1-token warm-up generation, or one embedding); on failure it
 raises `warm_up_error`, so the replica fails to start instead of serving a dead engine behind a live
 endpoint. Endpoints: "completions", "chat", "embeddings", "tokenize", "detokenize".
+
+An engine that dies later (vLLM's engine core process, an embedded engine worker, a host of the slice)
+reports it in `engine_error()`; the replica then answers every request with `engine_dead_error` (a 503,
+the one place that maps an engine's death to an OpenAI error) and fails its health check, so Serve
+replaces it (docs/serve.md, "When an engine dies").
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.openai_schema import OpenAIError
 
 
 class Backend(Protocol):
@@ -38,6 +44,10 @@ class Backend(Protocol):
 
     async def check_health(self) -> None:
         """Raises when the engine is dead (Serve then replaces the replica)."""
+        ...
+
+    def engine_error(self) -> BaseException | None:
+        """What killed the engine (None while it lives): requests then get `engine_dead_error`."""
         ...
 
     def shutdown(self) -> None: ...
@@ -78,4 +88,16 @@ def warm_up_error(
     return RuntimeError(
         f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
         f"replica does not serve: {type(error).__name__}: {error}"
+    )
+
+
+def engine_dead_error(model_id: str, cause: BaseException) -> OpenAIError:
+    """What a client gets when the engine of its model died (or the model's replica, behind a router):
+    503, retry (Serve is replacing the replica)."""
+    return OpenAIError(
+        f"model `{model_id}` is unavailable: its engine died ({type(cause).__name__}: {cause}); Serve is "
+        "replacing its replica, retry shortly",
+        503,
+        type="service_unavailable",
+        code="engine_dead",
     )

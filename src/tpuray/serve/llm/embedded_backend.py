@@ -78,10 +78,10 @@ class EmbeddedBackend(EngineBackend):
             raise warm_up_error(self.config, "embedded", e) from e
 
     async def check_health(self) -> None:
-        import ray
+        await self.engine.check_alive()
 
-        if isinstance(self.engine.error, ray.exceptions.RayActorError):
-            raise RuntimeError(f"engine worker died: {self.engine.error}")
+    def engine_error(self) -> BaseException | None:
+        return self.engine.dead
 
     # -- requests (dicts) -------------------------------------------------------------------------------
     def _parse(self, cls: Any, body: dict[str, Any]) -> Any:

@@ -85,6 +85,9 @@ class EmbeddingBackend:
     async def check_health(self) -> None:
         """In-process model: nothing can die separately."""
 
+    def engine_error(self) -> BaseException | None:
+        return None
+
     def slice_nodes(self) -> list[str]:
         """In the replica's process: no slice to lose."""
         return []

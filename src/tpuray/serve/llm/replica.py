@@ -4,7 +4,8 @@
 (`Backend`) and what the generating ones share (`EngineBackend`) are in backend.py.
 
 Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
-instead of raising it, so a bad request costs no exception traceback in the replica log.
+instead of raising it, so a bad request costs no exception traceback in the replica log. A request that
+fails because the engine died (`Backend.engine_error`) gets `engine_dead_error` (503), never a 500.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tpuray.serve.llm.backend import Backend
+from tpuray.serve.llm.backend import Backend, engine_dead_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.openai_schema import OpenAIError
 
@@ -82,20 +83,34 @@ class LLMServer:
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
         assert self.slot is not None
+        backend = None
         try:
             async with self.slot.use() as backend:
                 return await backend.handle(endpoint, body)
-        except OpenAIError as e:
-            return e
+        except Exception as e:  # noqa: BLE001 - request errors and engine deaths become OpenAI errors
+            return self._error(backend, e)
 
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
         assert self.slot is not None
+        backend = None
         try:
             async with self.slot.use() as backend:
                 async for chunk in backend.handle_stream(endpoint, body):
                     yield chunk
-        except OpenAIError as e:
-            yield e
+        except Exception as e:  # noqa: BLE001 - request errors and engine deaths become OpenAI errors
+            yield self._error(backend, e)
+
+    def _error(self, backend: Backend | None, error: Exception) -> OpenAIError:
+        """The request's own error (4xx); else a dead engine's 503, whatever the request saw of the death;
+        else the OpenAIError, or any other exception re-raised (the app's 500)."""
+        if isinstance(error, OpenAIError) and error.status < 500:
+            return error
+        dead = backend.engine_error() if backend is not None else None
+        if dead is not None:
+            return engine_dead_error(self.model_id, dead)
+        if isinstance(error, OpenAIError):
+            return error
+        raise error
 
     def metrics(self) -> str:
         """This replica process's Prometheus exposition (metrics.py)."""

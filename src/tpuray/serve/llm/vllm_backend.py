@@ -237,6 +237,9 @@ class VLLMBackend(EngineBackend):
         async for event in result:
             if event == DONE:
                 continue
+            dead = self.engine_error() if event.startswith('data: {"error"') else None
+            if dead is not None:  # vLLM's own 500 event: the replica answers its engine_dead_error
+                raise dead
             if prompt_only and isinstance(event, str) and '"usage"' in event:
                 data = json.loads(event.removeprefix("data: "))
                 _no_completion_tokens(data)
@@ -245,6 +248,9 @@ class VLLMBackend(EngineBackend):
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    def engine_error(self) -> BaseException | None:
+        return self.engine.engine_error()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -4,6 +4,11 @@ Without an accelerator_config the model runs in this process (one CPU "worker").
 engine starts a `tpuray.slices.SliceWorkerGroup` of `EngineWorker`s (one per chip share, ranked by slice
 position, joined by a `tpu_dist` process group) and drives one step at a time from an asyncio loop.
 `shutdown()` stops the workers and releases the slice; `generate` after it raises EngineShutDownError.
+
+A worker that dies (its process killed, its host lost) kills the engine: the tensor-parallel group cannot
+step without it. The engine then fails every sequence it holds and every later `generate` at once with
+Ray's error of that death (`dead`; no step waits on the dead group), and `check_alive` raises it, so the
+serving replica fails its health check and Serve replaces it on a fresh slice reservation.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class EmbeddedEngine(PromptEncoder):
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
+        self.dead: BaseException | None = None  # Ray's error of a worker's death (never cleared)
         self.metrics = None
         if config.log_engine_metrics:
             from tpuray.serve.llm.metrics import EngineMetrics
@@ -193,6 +199,8 @@ class EmbeddedEngine(PromptEncoder):
             try:
                 result = await self._step(batch, sched.needs_logits(seqs))
             except Exception as e:  # a failed step fails its sequences, the engine keeps serving others
+                if self._died(e):
+                    return
                 logger.exception("engine step failed")
                 self.error = e
                 for seq in seqs:
@@ -200,6 +208,35 @@ class EmbeddedEngine(PromptEncoder):
                     seq.queue.put_nowait(e)
                 continue
             sched.process(seqs, result.logits, result.prompt_logprobs, result.token_ids)
+
+    def _died(self, error: BaseException) -> bool:
+        """When `error` is a worker's death: mark the engine dead and fail every sequence it holds."""
+        import ray
+
+        if not isinstance(error, ray.exceptions.RayActorError):
+            return False
+        if self.dead is None:
+            logger.error(
+                "model %s: an engine worker died, the engine is dead: %s", self.config.model_id, error
+            )
+            self.dead = error
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.waiting]:
+            sched.abort(seq)
+            seq.queue.put_nowait(self.dead)
+        return True
+
+    async def check_alive(self) -> None:
+        """Raise Ray's error when a worker is dead (each worker answers a no-op call, queued behind the
+        step it runs, if any)."""
+        if self.dead is None and self.group is not None:
+            try:
+                await asyncio.gather(*(actor.__ray_ready__.remote() for actor in self.group.actors))
+            except Exception as e:  # noqa: BLE001 - only a death counts; others are re-raised
+                if not self._died(e):
+                    raise
+        if self.dead is not None:
+            raise self.dead.with_traceback(None)  # one error for many requests: no growing traceback
 
     # -- public API ---------------------------------------------------------------------------------------
     def grammar(self, schema: dict | None) -> Any:
@@ -217,6 +254,8 @@ class EmbeddedEngine(PromptEncoder):
         """Stream the outputs of one sequence; closing the iterator aborts it."""
         if self.closed:
             raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
+        if self.dead is not None:
+            raise self.dead.with_traceback(None)  # one error for many requests: no growing traceback
         self._ensure_loop()
         seq = Sequence(list(prompt_ids), params, params.generator(index), asyncio.Queue())
         self.scheduler.add(seq)
@@ -252,6 +291,6 @@ class EmbeddedEngine(PromptEncoder):
             self._loop_task.cancel()
             self._loop_task = None
         group, self.group = self.group, None
-        if group is not None:
-            group.shutdown()
+        if group is not None:  # live ranks of a dead group may be stuck in a collective: no teardown wait
+            group.shutdown(graceful=self.dead is None)
         self.runner = None

@@ -13,8 +13,11 @@ The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 from tpuray.constants import VLLM_PLATFORM_ENV
@@ -30,6 +33,12 @@ logger = logging.getLogger(__name__)
 # gpu_memory_utilization x host memory (default 0.92: all of it). Without either, tpuray asks for this.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
+SHUTDOWN_TIMEOUT_S = 10.0  # the most a replica waits for vLLM's client to stop (then it moves on)
+
+# vLLM clients of engine cores that died: kept referenced for the life of the process, never collected,
+# because collecting one blocks forever in its zmq context's clean-up (the process exits without it).
+_DEAD_CLIENTS: list[Any] = []
+
 
 class VLLMEngine:
     """One model's vLLM engine (AsyncLLM), and the slice its workers run on."""
@@ -41,6 +50,8 @@ class VLLMEngine:
         self.spg: Any = None
         self.client: Any = None
         self.emulated = False
+        self.nodes: list[str] = []  # the slice's hosts, as reserved
+        self.lost: BaseException | None = None  # a host of the slice died: the engine core was ended
         self.engine_args, self.frontend_args = split_engine_kwargs(config)
         try:
             if config.topology is not None:
@@ -69,6 +80,7 @@ class VLLMEngine:
             resources_per_bundle={"TPU": 1, "CPU": 1},
             timeout_s=timeout_s,
         )
+        self.nodes = self.spg.node_ids()
         emulated = {s.name for s in list_slices() if s.emulated}
         self.emulated = bool(set(self.spg.slice_names) & emulated)
         if self.emulated:
@@ -175,19 +187,60 @@ class VLLMEngine:
             "bundle_nodes": bundles,  # the node of each per-chip bundle (one vLLM worker each)
             "emulated": self.emulated,
             "where": self.where(),
+            "engine_core_pids": self.engine_core_pids(),
         }
 
+    def engine_core_pids(self) -> list[int]:
+        """The process ids of vLLM's engine core (a child process of the replica)."""
+        resources = getattr(getattr(self.client, "engine_core", None), "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
+
     async def check_health(self) -> None:
+        """vLLM's own check, after ending the engine core when a host of the slice died: vLLM's Ray
+        executor waits on a dead worker for minutes, so requests would hang; without its engine core,
+        vLLM fails them (EngineDeadError) at once."""
+        if self.nodes and self.lost is None:
+            from tpuray.slices.drain import dead_nodes
+
+            gone = await asyncio.to_thread(dead_nodes, self.nodes)
+            if gone:
+                self.lost = RuntimeError(f"host(s) {sorted(gone)} of the engine's TPU slice died")
+                logger.error("%s: %s; ending vLLM's engine core", self.config.model_id, self.lost)
+                for pid in self.engine_core_pids():
+                    os.kill(pid, signal.SIGKILL)
+        if self.lost is not None:
+            raise self.lost
         await self.client.check_health()
 
+    def engine_error(self) -> BaseException | None:
+        """vLLM's EngineDeadError once its engine core died, or the loss of a host (None while it runs)."""
+        client = self.client
+        if self.lost is not None:
+            return self.lost
+        return client.dead_error if client is not None and client.errored else None
+
     def shutdown(self) -> None:
-        """Stop vLLM (engine core and its workers) and release the slice. Idempotent."""
+        """Stop vLLM (engine core and its workers) and release the slice. Idempotent, and bounded: the
+        client stops in a daemon thread given SHUTDOWN_TIMEOUT_S; a dead engine core's client is kept
+        (`_DEAD_CLIENTS`) so that its zmq context is never collected."""
         client, self.client = self.client, None
         if client is not None:
-            try:
-                client.shutdown()
-            except Exception:  # noqa: BLE001 - the slice must be released anyway
-                logger.exception("vLLM engine shutdown failed")
+            if client.errored:
+                _DEAD_CLIENTS.append(client)
+            stop = threading.Thread(target=_stop_client, args=(client,), name="vllm-shutdown", daemon=True)
+            stop.start()
+            stop.join(SHUTDOWN_TIMEOUT_S)
+            if stop.is_alive():
+                _DEAD_CLIENTS.append(client)
+                logger.warning("vLLM's client did not stop within %ss; leaving it", SHUTDOWN_TIMEOUT_S)
         spg, self.spg = self.spg, None
         if spg is not None:
             spg.shutdown()
+
+
+def _stop_client(client: Any) -> None:
+    try:
+        client.shutdown()
+    except Exception:  # noqa: BLE001 - the slice must be released anyway
+        logger.exception("vLLM engine shutdown failed")

@@ -1,0 +1,103 @@
+"""Load for the engine-death tests: clients that keep sending completions (half of them streamed) to a
+served model while a test kills its engine, and the outcome of each request.
+
+An outcome is "ok" (200, complete), "503" (the OpenAI error of a dead engine: a 503 response, or, for a
+stream that had started, an error event of type service_unavailable) or anything else, which the tests
+refuse. Every request has a client timeout: a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+REQUEST_TIMEOUT_S = 180.0  # a request that takes longer is a hang
+RECOVERY_TIMEOUT_S = 300.0  # the most the tests wait for a 200 after a kill
+
+
+@dataclass
+class Load:
+    url: str
+    model: str
+    headers: dict[str, str] = field(default_factory=dict)
+    outcomes: list[tuple[float, str]] = field(default_factory=list)  # (end time, outcome)
+
+    async def _streamed(self, http: httpx.AsyncClient, body: dict) -> str:
+        async with http.stream("POST", self.url, json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                return _error_outcome(r.status_code, json.loads(await r.aread()))
+            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        errors = [json.loads(e) for e in events[:-1] if '"error"' in e]
+        if errors:
+            return _error_outcome(503 if _dead(errors[0]) else 200, errors[0])
+        return "ok" if events and events[-1] == "[DONE]" else "incomplete stream"
+
+    async def _plain(self, http: httpx.AsyncClient, body: dict) -> str:
+        r = await http.post(self.url, json=body)
+        if r.status_code == 200:
+            return "ok" if r.json().get("choices") else "200 without choices"
+        return _error_outcome(r.status_code, r.json())
+
+    async def client(self, i: int, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=self.headers) as http:
+            n = 0
+            while not stop.is_set():
+                body = {"model": self.model, "prompt": f"client {i} req {n}", "max_tokens": 8, "seed": n}
+                send = self._streamed if i % 2 else self._plain
+                try:
+                    outcome = await send(http, body)
+                except httpx.TimeoutException as e:
+                    outcome = f"hang ({type(e).__name__})"
+                self.outcomes.append((time.monotonic(), outcome))
+                n += 1
+
+    async def served(self, count: int, since: float = 0.0) -> None:
+        """Until `count` requests that ended after `since` were answered 200."""
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while sum(t > since and o == "ok" for t, o in self.outcomes) < count:
+            assert time.monotonic() < deadline, (
+                f"no {count} answers within {RECOVERY_TIMEOUT_S}s: {self.tally()}"
+            )
+            await asyncio.sleep(0.1)
+
+    def tally(self, since: float = 0.0) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t, o in self.outcomes:
+            if t > since:
+                counts[o] = counts.get(o, 0) + 1
+        return counts
+
+
+def _dead(body: dict) -> bool:
+    error = body.get("error") or {}
+    return error.get("type") == "service_unavailable" and error.get("code") == "engine_dead"
+
+
+def _error_outcome(status: int, body: dict) -> str:
+    if status == 503 and _dead(body):
+        return "503"
+    return f"{status}: {json.dumps(body)[:300]}"
+
+
+async def kill_under_load(load: Load, kill: Callable[[], object], clients: int = 8) -> dict[str, int]:
+    """Run `clients` clients, kill (in a thread) once they are served, wait for 200s again: the outcomes
+    of the requests that ended after the kill started."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(load.client(i, stop)) for i in range(clients)]
+    try:
+        await load.served(2 * clients)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(kill)
+        while "503" not in load.tally(killed_at):  # the requests in flight at the kill, and after it
+            assert time.monotonic() < killed_at + RECOVERY_TIMEOUT_S, load.tally(killed_at)
+            await asyncio.sleep(0.1)
+        await load.served(2 * clients, since=time.monotonic())  # served again: the replica was replaced
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return load.tally(killed_at)
