@@ -7,12 +7,14 @@ shapes: a v4 2x2x2 (two hosts) and a v6e 2x2 (one host), idle timeout 2 s, Ray's
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group_table
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from tpuray.emulator import EmulatedCluster
@@ -50,7 +52,7 @@ def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
     """The invariant: every TPU host alive belongs to a slice the autoscaler's provider knows (no leaked
     node), and no slice is partial: a slice that is up has all its hosts alive, and one starting or
     stopping has no head (worker 0, the host a reservation takes first) without all its other hosts.
-    Returns {slice name: alive node ids} of the slices that are up."""
+    Returns {slice name: alive node ids} of the whole slices."""
     published = cluster.autoscaled_slices()
     alive: dict[str, list[str]] = {}
     for n in ray.nodes():
@@ -64,7 +66,6 @@ def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
         assert set(ids) <= set(want), f"slice {name} has hosts the autoscaler did not start"
         if published[name]["state"] == "up" or want[0] in ids:
             assert sorted(ids) == sorted(want), f"slice {name} is partial: {published[name]}"
-        if published[name]["state"] == "up":
             up[name] = ids
     return up
 
@@ -85,6 +86,19 @@ def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling:
         "tpu-v6e-4",
     ]
     check_whole(autoscaling)
+    # A third v6e reservation is over max_slices: it waits, and `tpuray status` shows it as demand.
+    extra = placement_group([{"TPU-v6e-4-head": 1}])
+    status = subprocess.run(
+        [sys.executable, "-m", "tpuray.cli", "status", "--address", autoscaling.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    assert "pending slice demand: 1 x v6e-4" in status.stdout
+    assert f"  {name}: tpu-v4-16, in use" in status.stdout
+    assert "TPU-V6E 2x2 (tpu-v6e-4) <= 2" in status.stdout
+    remove_placement_group(extra)
     two.shutdown()
     spg.shutdown()
     wait_for(lambda: not autoscaling.autoscaled_slices())  # idle_timeout_s later: all gone, whole

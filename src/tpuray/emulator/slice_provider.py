@@ -231,11 +231,10 @@ class EmulatedSliceProvider(NodeProvider):
                 sl.error = str(e)
                 self._stop_slice(sl)
                 return
+            with self._lock:
+                if worker_id == 0 and sl.state == "starting":
+                    sl.state = "up"
             self._publish()
-        with self._lock:
-            if sl.state == "starting":
-                sl.state = "up"
-        self._publish()
 
     def _stop_slice(self, sl: _Slice) -> None:
         sl.state = "stopping"
