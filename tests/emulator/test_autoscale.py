@@ -16,6 +16,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+from _util import live_placement_groups
 from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from tpuray.emulator import EmulatedCluster
 from tpuray.emulator.detached import _alive
@@ -72,6 +73,13 @@ def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
 
 def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling: EmulatedCluster) -> None:
     assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}
+    # Shapes no node type brings fail at once, naming the shape and the node types; nothing is reserved.
+    with pytest.raises(ConfigError, match=r"1 x TPU-V6E 4x4 \(pod type v6e-16\) can never be reserved") as e:
+        SlicePlacementGroup("4x4", "v6e", timeout_s=180)
+    assert "tpu-v4-16 (TPU-V4 2x2x2, at most 1), tpu-v6e-4 (TPU-V6E 2x2, at most 2)" in str(e.value)
+    with pytest.raises(ConfigError, match=r"3 x TPU-V6E 2x2 \(pod type v6e-4\) can never"):
+        SlicePlacementGroup("2x2", "v6e", num_slices=3, timeout_s=180)
+    assert not live_placement_groups()
     spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)  # pending: the autoscaler starts one slice
     (name,) = spg._slice_names
     alive = check_whole(autoscaling)

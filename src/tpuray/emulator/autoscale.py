@@ -219,3 +219,26 @@ def slice_types(spec: AutoscaleSpec) -> dict[str, dict[str, Any]]:
         }
         for r in spec.requests
     }
+
+
+def check_slices_can_come(pod_type: str, shape: str, num_slices: int, running: list[str]) -> None:
+    """On an autoscaling emulated cluster, refuse at once a reservation of `num_slices` slices of
+    `pod_type` that can never be placed: more than the slices of that pod type started by hand (among
+    `running`, the names of those alive now) plus the autoscaler's maximum for it. The ConfigError names
+    the shape and the node types. Elsewhere (no autoscaler here) nothing is checked."""
+    types = published_node_types()
+    if types is None:
+        return
+    autoscaled = published_slices()
+    fixed = sum(1 for name in running if name not in autoscaled)
+    if num_slices <= fixed + sum(t["max_slices"] for t in types.values() if t["pod_type"] == pod_type):
+        return
+    offered = ", ".join(
+        f"{name} ({t['accelerator_type']} {t['topology']}, at most {t['max_slices']})"
+        for name, t in types.items()
+    )
+    raise ConfigError(
+        f"{num_slices} x {shape} (pod type {pod_type}) can never be reserved here: this autoscaling emulated "
+        f"cluster has {fixed} such slice(s) started by hand and its autoscaler's node types are: {offered}. "
+        "Ask for one of those shapes, or start the cluster with --max-slices for this one"
+    )
