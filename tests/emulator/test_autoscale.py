@@ -19,19 +19,21 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from _util import live_placement_groups
 from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from tpuray.emulator import EmulatedCluster
+from tpuray.emulator.churn import audit, run_churn
 from tpuray.emulator.detached import _alive
 from tpuray.slices.placement import SlicePlacementGroup
 from tpuray.validation import ConfigError
 
 V4 = ("TPU-V4", "2x2x2")  # 2 hosts x 4 chips: the smallest multi-host slice
 V6E = ("TPU-V6E", "2x2")  # 1 host x 4 chips
+V5E = ("TPU-V5E", "2x2")  # 1 host x 4 chips
 
 
 @pytest.fixture(scope="module")
 def autoscaling(cluster_manager) -> Iterator[EmulatedCluster]:  # type: ignore[no-untyped-def]
     cluster_manager.shutdown()
     cluster = EmulatedCluster(
-        [], head_cpus=2, cpus_per_chip=1, autoscale=True, max_slices={V4: 1, V6E: 2}, idle_timeout_s=2
+        [], head_cpus=2, cpus_per_chip=1, autoscale=True, max_slices={V4: 1, V6E: 2, V5E: 1}, idle_timeout_s=2
     )
     with cluster:
         cluster.connect()
@@ -50,25 +52,11 @@ def wait_for(what, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
 
 
 def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
-    """The invariant: every TPU host alive belongs to a slice the autoscaler's provider knows (no leaked
-    node), and no slice is partial: a slice that is up has all its hosts alive, and one starting or
-    stopping has no head (worker 0, the host a reservation takes first) without all its other hosts.
-    Returns {slice name: alive node ids} of the whole slices."""
-    published = cluster.autoscaled_slices()
-    alive: dict[str, list[str]] = {}
-    for n in ray.nodes():
-        name = (n.get("Labels") or {}).get(SLICE_NAME_LABEL)
-        if n["Alive"] and name:
-            alive.setdefault(name, []).append(n["NodeID"])
-    up = {}
-    for name, ids in alive.items():
-        assert name in published, f"slice {name} is alive but unknown to the autoscaler"
-        want = published[name]["node_ids"]
-        assert set(ids) <= set(want), f"slice {name} has hosts the autoscaler did not start"
-        if published[name]["state"] == "up" or want[0] in ids:
-            assert sorted(ids) == sorted(want), f"slice {name} is partial: {published[name]}"
-            up[name] = ids
-    return up
+    """The invariant (tpuray.emulator.churn.audit): no partial slice, no leaked TPU node. Returns the
+    whole slices ({name: alive node ids})."""
+    seen = audit(cluster)
+    assert seen.ok, seen
+    return seen.whole
 
 
 def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling: EmulatedCluster) -> None:
@@ -77,6 +65,7 @@ def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling:
     with pytest.raises(ConfigError, match=r"1 x TPU-V6E 4x4 \(pod type v6e-16\) can never be reserved") as e:
         SlicePlacementGroup("4x4", "v6e", timeout_s=180)
     assert "tpu-v4-16 (TPU-V4 2x2x2, at most 1), tpu-v6e-4 (TPU-V6E 2x2, at most 2)" in str(e.value)
+    assert "v5litepod" in str(e.value)
     with pytest.raises(ConfigError, match=r"3 x TPU-V6E 2x2 \(pod type v6e-4\) can never"):
         SlicePlacementGroup("2x2", "v6e", num_slices=3, timeout_s=180)
     assert not live_placement_groups()
@@ -162,3 +151,13 @@ def test_busy_host_keeps_its_slice_and_a_lost_host_takes_its_slice_down(
     spg.shutdown()
     wait_for(lambda: not autoscaling.autoscaled_slices())
     assert check_whole(autoscaling) == {}
+
+
+def test_seeded_random_schedule_keeps_slices_whole(autoscaling: EmulatedCluster) -> None:
+    """Reservations, releases and preemptions over 3 slice shapes in a seeded random order: after every
+    event, no partial slice and no leaked node (bench_autoscale.py runs 20 cycles; CI runs 3)."""
+    seen: list[str] = []
+    report = run_churn(autoscaling, [V4, V6E, V5E], cycles=3, seed=24, on_event=lambda e, _: seen.append(e))
+    assert report.partial == 0 and report.leaked == 0, report
+    assert report.audits == len(seen) >= 7 and seen[-1] == "all idle slices gone"
+    assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}

@@ -45,7 +45,7 @@ from tpuray.emulator.autoscale import (
     NODE_TYPES_KEY,
     SLICES_KEY,
 )
-from tpuray.emulator.cluster import start_host
+from tpuray.emulator.hosts import start_host
 from tpuray.emulator.spec import HostSpec, host_specs
 from tpuray.topology import SliceTopology
 
