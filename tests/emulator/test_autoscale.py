@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.tpu import SlicePlacementGroup as RaySlicePlacementGroup
 
 from _util import live_placement_groups
 from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
@@ -74,7 +75,16 @@ def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling:
     alive = check_whole(autoscaling)
     assert list(alive) == [name] and len(alive[name]) == 2
     assert autoscaling.autoscaled_slices()[name]["node_type"] == "tpu-v4-16"
-    # Two pending v6e reservations at once (one placement group each): two slices, one per reservation.
+    # Ray's own SlicePlacementGroup asks the same way (a head bundle first): one whole v6e slice.
+    ray_spg = RaySlicePlacementGroup("2x2", "v6e")
+    assert ray.get(ray_spg.placement_group.ready(), timeout=180)
+    assert sorted(s["node_type"] for s in autoscaling.autoscaled_slices().values()) == [
+        "tpu-v4-16",
+        "tpu-v6e-4",
+    ]
+    check_whole(autoscaling)
+    ray_spg.shutdown()
+    # Two pending v6e reservations at once (the idle v6e slice is taken, one more comes): never partial.
     two = SlicePlacementGroup("2x2", "v6e", num_slices=2, timeout_s=180)
     assert len(set(two._slice_names)) == 2
     assert sorted(s["node_type"] for s in autoscaling.autoscaled_slices().values()) == [
