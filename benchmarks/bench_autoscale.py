@@ -10,8 +10,8 @@ Decision: from the reservation's call to the moment Ray's autoscaler had the pro
 (the provider records it); start: from there to the placement group ready (every host started, worker 0
 last, then the reservation placed). Hand: add_slices (every host started) + the same reservation. The
 autoscaler runs one round a second (AUTOSCALER_UPDATE_INTERVAL_S=1, Ray's smallest), so a decision waits
-0-1 s for the next round. One cluster for everything: autoscaled trials (each slice idles out, 2 s),
-the churn, then the hand trials.
+0-1 s for the next round. One cluster for everything (each autoscaled slice idles out, 2 s, each hand slice is removed):
+autoscaled and hand trials alternate, then the churn.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def hand_trial(cluster, accel: str, topology: str) -> dict:  # type: ignore[no-u
     from tpuray.slices.placement import SlicePlacementGroup
 
     t0 = time.time()
-    cluster.add_slices(SliceRequest(accel, topology))
+    (sl,) = cluster.add_slices(SliceRequest(accel, topology))
     started = time.time()
     spg = SlicePlacementGroup(topology, accel, timeout_s=600)
     ready = time.time()
     spg.shutdown()
+    cluster.remove_slice(sl.name)
     return {"total_s": ready - t0, "start_s": started - t0, "reserve_s": ready - started}
 
 
@@ -70,8 +71,11 @@ def main() -> None:
     out: dict = {"shape": args.shape}
     with cluster:
         cluster.connect()
-        auto = [autoscaled_trial(cluster, accel, topology) for _ in range(args.trials)]
-        out["autoscaled"] = auto
+        auto, hand = [], []
+        for _ in range(args.trials):  # side by side, alternating: the machine's load hits both alike
+            auto.append(autoscaled_trial(cluster, accel, topology))
+            hand.append(hand_trial(cluster, accel, topology))
+        out["autoscaled"], out["hand"] = auto, hand
         if args.cycles:
             report = run_churn(cluster, CHURN_SHAPES, cycles=args.cycles, seed=args.seed)
             out["churn"] = {
@@ -83,8 +87,6 @@ def main() -> None:
                 "slices": len(report.slices_started),
                 "seconds": round(report.seconds, 1),
             }
-        hand = [hand_trial(cluster, accel, topology) for _ in range(args.trials)]
-        out["hand"] = hand
 
     med = {k: statistics.median(t[k] for t in auto) for k in auto[0]}
     hmed = {k: statistics.median(t[k] for t in hand) for k in hand[0]}

@@ -70,21 +70,18 @@ def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling:
     with pytest.raises(ConfigError, match=r"3 x TPU-V6E 2x2 \(pod type v6e-4\) can never"):
         SlicePlacementGroup("2x2", "v6e", num_slices=3, timeout_s=180)
     assert not live_placement_groups()
-    spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)  # pending: the autoscaler starts one slice
+    # Ray's own SlicePlacementGroup asks for a multi-host slice the same way (its head bundle first).
+    ray_spg = RaySlicePlacementGroup("2x2x2", "v4")
+    assert ray.get(ray_spg.placement_group.ready(), timeout=180)
+    assert [s["node_type"] for s in autoscaling.autoscaled_slices().values()] == ["tpu-v4-16"]
+    check_whole(autoscaling)
+    ray_spg.shutdown()
+    spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)  # the idle slice, or (idled out) a new one
     (name,) = spg._slice_names
     alive = check_whole(autoscaling)
     assert list(alive) == [name] and len(alive[name]) == 2
     assert autoscaling.autoscaled_slices()[name]["node_type"] == "tpu-v4-16"
-    # Ray's own SlicePlacementGroup asks the same way (a head bundle first): one whole v6e slice.
-    ray_spg = RaySlicePlacementGroup("2x2", "v6e")
-    assert ray.get(ray_spg.placement_group.ready(), timeout=180)
-    assert sorted(s["node_type"] for s in autoscaling.autoscaled_slices().values()) == [
-        "tpu-v4-16",
-        "tpu-v6e-4",
-    ]
-    check_whole(autoscaling)
-    ray_spg.shutdown()
-    # Two pending v6e reservations at once (the idle v6e slice is taken, one more comes): never partial.
+    # Two pending v6e reservations at once (one placement group each): two slices, one per reservation.
     two = SlicePlacementGroup("2x2", "v6e", num_slices=2, timeout_s=180)
     assert len(set(two._slice_names)) == 2
     assert sorted(s["node_type"] for s in autoscaling.autoscaled_slices().values()) == [

@@ -160,7 +160,6 @@ class EmulatedCluster:
 
         if self._cluster is None:
             raise RuntimeError("emulated cluster is not running: call start() first")
-        taken = {sl.name for sl in self.slices}
         planned = plan_slices(
             [*self.requests, request],
             ray.util.get_node_ip_address(),
@@ -168,13 +167,22 @@ class EmulatedCluster:
             self.cpus_per_chip,
             self.host_memory_bytes,
         )
-        added = [sl for sl in planned if sl.name not in taken]
+        added = planned[-request.count :]  # the plan follows the requests: the new ones come last
         self.requests.append(request)
         for sl in added:
             self.slices.append(sl)
             sl.node_ids = [self._add_host(host).node_id for host in sl.hosts]
         self._cluster.wait_for_nodes()
         return added
+
+    def remove_slice(self, name: str) -> None:
+        """Stop every host of a slice started by hand (gracefully, as a released node) and forget it."""
+        sl = next((s for s in self.slices if s.name == name), None)
+        if sl is None or self._cluster is None:
+            raise ConfigError(f"no emulated slice {name!r} started by hand in {self!r}")
+        for node in [n for n in self._cluster.list_all_nodes() if n.node_id in sl.node_ids]:
+            self._cluster.remove_node(node, allow_graceful=True)
+        self.slices.remove(sl)
 
     def kill_host(self, node_id: str, timeout_s: float = 120.0) -> tuple[str, int]:
         """Hard-kill one emulated TPU host (its raylet and workers), as a host failure would.

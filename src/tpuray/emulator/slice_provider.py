@@ -101,6 +101,7 @@ class _Joiner:
         params = RayParams(
             gcs_address=self.gcs_address,
             include_log_monitor=False,
+            num_gpus=0,
             node_manager_port=0,
             min_worker_port=0,
             max_worker_port=0,
