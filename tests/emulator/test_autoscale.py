@@ -60,6 +60,21 @@ def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
     return seen.whole
 
 
+def test_bad_autoscale_settings_raise_before_starting() -> None:
+    with pytest.raises(
+        ConfigError, match=r"autoscale=True needs max_slices=\{\(accelerator type, topology\): N"
+    ):
+        EmulatedCluster([], autoscale=True)
+    with pytest.raises(ConfigError, match="only valid with autoscale=True"):
+        EmulatedCluster([], idle_timeout_s=5)
+    with pytest.raises(ValueError, match="3x3"):
+        EmulatedCluster([], autoscale=True, max_slices={("TPU-V6E", "3x3"): 1})
+    with pytest.raises(ConfigError, match="same slice shape twice"):
+        EmulatedCluster([], autoscale=True, max_slices={("v6e", "2x2"): 1, ("TPU-V6E", "2x2"): 1})
+    with pytest.raises(ConfigError, match="idle_timeout_s=-1 is invalid"):
+        EmulatedCluster([], autoscale=True, max_slices={V6E: 1}, idle_timeout_s=-1)
+
+
 def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling: EmulatedCluster) -> None:
     assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}
     # Shapes no node type brings fail at once, naming the shape and the node types; nothing is reserved.

@@ -52,7 +52,7 @@ class EmulatedCluster:
         include_dashboard: bool = False,
         autoscale: bool = False,
         max_slices: Mapping[tuple[str, str], int] | None = None,
-        idle_timeout_s: float = 60.0,
+        idle_timeout_s: float | None = None,
     ) -> None:
         if isinstance(slices, SliceRequest):
             slices = [slices]
@@ -60,9 +60,11 @@ class EmulatedCluster:
         # Slices on demand (Ray's autoscaler; tpuray.emulator.autoscale): None = a fixed cluster.
         self.autoscale: AutoscaleSpec | None = None
         if autoscale:
-            self.autoscale = AutoscaleSpec(max_slices or {}, idle_timeout_s)
-        elif max_slices is not None:
-            raise ConfigError("max_slices is only valid with autoscale=True")
+            self.autoscale = AutoscaleSpec(
+                max_slices or {}, 60.0 if idle_timeout_s is None else idle_timeout_s
+            )
+        elif max_slices is not None or idle_timeout_s is not None:
+            raise ConfigError("max_slices and idle_timeout_s are only valid with autoscale=True")
         check_positive_int("head_cpus", head_cpus, minimum=0)
         if host_memory_gb <= 0:
             raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
