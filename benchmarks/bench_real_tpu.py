@@ -98,6 +98,51 @@ def decode_rate(runner, batch: int, steps: int, prompt_len: int = 32) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
+def decode_split(runner, batch: int, steps: int, pos: int = 40) -> dict:
+    """Where a decode step's time goes (ms per step): the whole `runner.step`; the program alone with its
+    inputs already on the device and its ids read back each step; the program alone without reading back
+    (steps queue up: the device's own time per step once the host keeps ahead); one small host-to-device
+    copy (a step makes three)."""
+    from tpuray.serve.llm.engine.embedded.step_plan import decode_batches
+
+    rows = [(s, [7], pos, None) for s in range(batch)]
+    d = decode_batches(rows, list(range(batch)), runner.buckets, runner.cache.trash_slot)[0]
+    dev = runner.device
+    args = (d.packed.to(dev), d.context_len)
+    runner._decode(*args)[1].cpu()
+
+    def per_step(fn) -> float:
+        fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / steps * 1e3
+
+    def dispatch_only() -> float:  # the host's time to launch the program, device not awaited
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner._decode(*args)
+        took = (time.perf_counter() - t) / steps * 1e3
+        sync()
+        return took
+
+    small = torch.arange(batch, dtype=torch.long)
+    packed = torch.arange(3 * batch, dtype=torch.long)
+    return dict(
+        batch=batch,
+        step_ms=per_step(lambda: runner.step(rows, need_logits=False)),
+        program_readback_ms=per_step(lambda: runner._decode(*args)[1].cpu()),
+        program_pipelined_ms=per_step(lambda: runner._decode(*args)),
+        program_dispatch_ms=dispatch_only(),
+        host_to_device_ms=per_step(lambda: small.to(dev)),
+        host_to_device_x3_ms=per_step(lambda: [t.to(dev) for t in (small, small, small)]),
+        host_to_device_packed_ms=per_step(lambda: packed.to(dev)),
+    )
+
+
 class NumberTokenizer:
     """Detokenizes ids as numbers: the bench's random-weight model has no tokenizer of its own."""
 
@@ -110,8 +155,8 @@ def serve_mixed(runner, n_requests: int, max_num_seqs: int, max_model_len: int, 
     lengths, greedy and sampled; counts the programs compiled while serving."""
     import asyncio
 
-    from tpuray.serve.llm.engine.sampling import SamplingParams
-    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
 
     rng = random.Random(seed)
     sched = Scheduler(NumberTokenizer(), {2}, max_num_seqs, max_model_len, max_prefill_tokens=max_model_len)
@@ -137,8 +182,19 @@ def serve_mixed(runner, n_requests: int, max_num_seqs: int, max_model_len: int, 
     )
 
 
+def greedy_tokens(runner, n: int = 24) -> list[int]:
+    """`n` greedy tokens of one sequence (slot 0) from a fixed prompt: compares backends' outputs."""
+    prompt = list(range(3, 40))
+    ids = [runner.step([(0, prompt, 0, None)], need_logits=False).token_ids[0]]
+    for i in range(n - 1):
+        ids.append(runner.step([(0, [ids[-1]], len(prompt) + i, None)], need_logits=False).token_ids[0])
+    return ids
+
+
 def bench_engine(args) -> None:
-    from tpuray.serve.llm.engine.runner import ModelRunner
+    """Each backend in --compile-backend in turn, on the same checkpoint; the figures of every backend
+    after the first are also reported as ratios to the first's (the anchor)."""
+    import gc
 
     if args.small:
         dims = dict(hidden=256, layers=2, heads=8, kv_heads=2, inter=512, vocab=1024)
@@ -146,6 +202,28 @@ def bench_engine(args) -> None:
         dims = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=32000)
     path = Path(tempfile.mkdtemp()) / "llama"
     weight_bytes = write_llama(path, **dims)
+    backends = args.compile_backend.split(",") if args.device == "tpu" else [None]
+    anchor: dict[str, float] = {}
+    anchor_tokens = None
+    for backend in backends:
+        figures = engine_figures(args, path, weight_bytes, backend)
+        tokens = figures.pop("greedy_tokens")
+        if not anchor:
+            anchor, anchor_tokens = figures, tokens
+        else:
+            report(
+                "engine_vs_anchor",
+                backend=backend,
+                anchor=backends[0],
+                same_greedy_tokens=tokens == anchor_tokens,
+                **{f"{k}_ratio": v / anchor[k] for k, v in figures.items() if anchor.get(k)},
+            )
+        gc.collect()
+
+
+def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> dict:
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
     max_model_len, max_num_seqs = args.max_model_len, 32
     t0 = time.perf_counter()
     runner = ModelRunner(
@@ -155,12 +233,15 @@ def bench_engine(args) -> None:
         dtype="bfloat16",
         device=args.device,
         compile=True if args.device == "tpu" else None,
+        compile_backend=backend,
     )
     load_s = time.perf_counter() - t0
-    built = runner.warmup()
+    built = 0 if args.quick else runner.warmup()
     report(
         "engine_start",
+        backend=backend,
         params_bytes=weight_bytes,
+        kv_cache_bytes=runner.cache.nbytes,
         load_s=load_s,
         warmup_s=runner.warmup_s,
         programs=built,
@@ -170,10 +251,16 @@ def bench_engine(args) -> None:
     roofline = V5E_HBM_BYTES_PER_S / weight_bytes
     b1 = decode_rate(runner, 1, args.steps)
     report(
-        "decode_batch1", tokens_per_s=b1, roofline_tokens_per_s=roofline, fraction_of_roofline=b1 / roofline
+        "decode_batch1",
+        backend=backend,
+        tokens_per_s=b1,
+        roofline_tokens_per_s=roofline,
+        fraction_of_roofline=b1 / roofline,
     )
     b32 = decode_rate(runner, 32, args.steps)
-    report("decode_batch32", tokens_per_s=b32, vs_batch1=b32 / b1)
+    report("decode_batch32", backend=backend, tokens_per_s=b32, vs_batch1=b32 / b1)
+    for batch in (1, 32):
+        report("decode_split", backend=backend, **decode_split(runner, batch, args.steps))
     prompt = list(range(3, 3 + min(512, max_model_len)))
     runner.step([(0, prompt, 0, None)], need_logits=False)  # untimed
     times = []
@@ -181,9 +268,15 @@ def bench_engine(args) -> None:
         t = time.perf_counter()
         runner.step([(0, prompt, 0, None)], need_logits=False)
         times.append(time.perf_counter() - t)
-    report("ttft", prompt_tokens=len(prompt), ms_median=sorted(times)[2] * 1e3)
+    ttft = sorted(times)[2] * 1e3
+    report("ttft", backend=backend, prompt_tokens=len(prompt), ms_median=ttft)
+    figures = {"decode_batch1_tokens_per_s": b1, "decode_batch32_tokens_per_s": b32, "ttft_ms": ttft}
+    figures["greedy_tokens"] = greedy_tokens(runner)
     if not args.quick:
-        report("serve_mixed", **serve_mixed(runner, args.requests, max_num_seqs, max_model_len))
+        mixed = serve_mixed(runner, args.requests, max_num_seqs, max_model_len)
+        report("serve_mixed", backend=backend, **mixed)
+        figures["serve_mixed_s"] = mixed["seconds"]
+    return figures
 
 
 # -- training -------------------------------------------------------------------------------------------
@@ -307,15 +400,48 @@ def bench_train(args) -> None:
             bench_gpt(device, via, compiled, args.steps)
 
 
+def bench_kv_write(args) -> None:
+    """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
+    write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu
+    updates the buffer where it lies; a whole-cache copy otherwise), against copying the whole cache."""
+    dev = torch.device(args.device)
+    layers, slots, length, kv, d = 16, 33, args.max_model_len, 8, 64
+    cache = torch.zeros(layers, slots, length, kv, d, dtype=torch.bfloat16, device=dev)
+    other = torch.zeros_like(cache)
+    for batch in (1, 32):
+        idx = torch.arange(batch, device=dev)
+        pos = torch.full((batch,), 7, device=dev)
+        new = torch.ones(layers, batch, kv, d, dtype=torch.bfloat16, device=dev)
+        lidx = torch.arange(layers, device=dev)[:, None]
+
+        def write(lidx=lidx, idx=idx, pos=pos, new=new):
+            cache.index_put_((lidx, idx[None], pos[None]), new)
+
+        report(
+            "kv_write",
+            batch=batch,
+            cache_bytes=cache.numel() * 2,
+            indexed_write_ms=timed(write, args.steps) * 1e3,
+            full_copy_ms=timed(lambda: other.copy_(cache), args.steps) * 1e3,
+        )
+    assert float(cache[3, 0, 7, 0, 0].cpu()) == 1.0, "the indexed write did not land"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["engine", "train"])
+    ap.add_argument("what", choices=["engine", "train", "kv-write"])
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--compile-backend",
+        default="tpu",
+        help="engine on a TPU: torch.compile backend(s), comma-separated, the first is the anchor "
+        "(any torch.compile backend name; default torch_tpu's tpu)",
+    )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = ap.parse_args()
@@ -323,7 +449,7 @@ def main() -> None:
         from tpuray.runtime import activate
 
         report("runtime", mode=activate())
-    (bench_engine if args.what == "engine" else bench_train)(args)
+    {"engine": bench_engine, "train": bench_train, "kv-write": bench_kv_write}[args.what](args)
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in RESULTS)

@@ -1,10 +1,14 @@
 """tpuray.rl weight sync against the raw object-store transfer of the same bytes, and the split of a GRPO
-iteration (examples/rl_grpo.py), on an emulated v6e 2x2 slice it starts itself.
+iteration (examples/rl_grpo.py), on two emulated v6e 2x2 slices it starts itself.
 
 Weight sync: `RolloutEngine.update_weights(state_dict)` into a TP=2 rollout engine on the slice (checks
 names and shapes, ray.put once, each worker pulls, cuts its shard and copies it into its tensors).
 Anchor: the same state dict `ray.put` once and pulled by one task per engine worker on the slice's host
 (what any object-store sync must at least do). Goal (issue 23): sync seconds <= 1.2x the anchor.
+
+Iteration split: the GRPO example with its trainer on the driver (`--slice`), then on tpuray.train
+(`--trainer tpuray`: FSDP2 on 2 workers of one slice, the rollout engine TP=2 on the other, RLRun) run
+sequentially and with `--overlap`. Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
 
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
 """
@@ -12,7 +16,6 @@ Anchor: the same state dict `ray.put` once and pulled by one task per engine wor
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -100,13 +103,26 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     return statistics.median(sync), statistics.median(sharded), statistics.median(raw), nbytes
 
 
-def bench_iterations(iterations: int) -> list:
-    spec = importlib.util.spec_from_file_location("rl_grpo", HERE.parent / "examples" / "rl_grpo.py")
-    assert spec is not None and spec.loader is not None
-    grpo = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = grpo
-    spec.loader.exec_module(grpo)
-    return grpo.run(grpo.parse_args(["--iterations", str(iterations), "--slice"]))
+def bench_iterations(iterations: int, *extra: str) -> list:
+    from tpuray.rl import grpo
+
+    return grpo.run(grpo.parse_args(["--iterations", str(iterations), *extra]))
+
+
+def print_split(title: str, history: list) -> float:
+    """The median split of the steady iterations (the first pays start-up); returns the median
+    iteration's wall time."""
+    steady = history[1:] or history
+    split = {
+        k: statistics.median(getattr(it, k) for it in steady)
+        for k in ("generate_s", "reward_s", "train_s", "sync_s", "total_s")
+    }
+    print(f"\n{title}, median of {len(steady)} iterations")
+    print("| phase | seconds | share of the iteration |")
+    print("|---|---|---|")
+    for k, v in split.items():
+        print(f"| {k[:-2]} | {v:.3f} | {v / split['total_s']:.0%} |")
+    return split["total_s"]
 
 
 def main() -> int:
@@ -121,11 +137,13 @@ def main() -> int:
 
     from tpuray.emulator import EmulatedCluster, SliceRequest
 
-    cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2")], head_cpus=2).start()
+    cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=2).start()
     cluster.connect()
     try:
         sync, sharded, raw, nbytes = bench_sync(args)
-        history = bench_iterations(args.iterations)
+        history = bench_iterations(args.iterations, "--slice")
+        sequential = bench_iterations(args.iterations, "--trainer", "tpuray")
+        overlapped = bench_iterations(args.iterations, "--trainer", "tpuray", "--overlap")
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -141,19 +159,18 @@ def main() -> int:
     )
     print(f"| raw ray.put + one pull per worker | {raw:.3f} | {mb / raw:.0f} | 1.00 |")
     print(f"goal <= 1.2x: {'met' if min(sync, sharded) / raw <= 1.2 else 'not met'}")
-    steady = history[1:] or history  # iteration 0 includes first-call costs
-    split = {
-        k: statistics.median(getattr(it, k) for it in steady)
-        for k in ("generate_s", "reward_s", "train_s", "sync_s")
-    }
-    total = sum(split.values())
-    print(
-        f"\nGRPO iteration split (examples/rl_grpo.py --slice, median of {len(steady)} iterations, tiny model)"
+    print_split("GRPO iteration split (examples/rl_grpo.py --slice: trainer on the driver's CPU)", history)
+    seq = print_split(
+        "RLRun, sequential (examples/rl_grpo.py --trainer tpuray: FSDP2 on 2 workers)", sequential
     )
-    print("| phase | seconds | share |")
-    print("|---|---|---|")
-    for k, v in split.items():
-        print(f"| {k[:-2]} | {v:.3f} | {v / total:.0%} |")
+    ovl = print_split("RLRun, overlap (--trainer tpuray --overlap, off-policy by one step)", overlapped)
+    sync_share = statistics.median(it.sync_s / it.total_s for it in sequential[1:] or sequential)
+    print(
+        f"\nsync share of a sequential RLRun iteration: {sync_share:.1%} (goal < 10%: {'met' if sync_share < 0.1 else 'not met'})"
+    )
+    print(
+        f"overlap / sequential iteration: {ovl / seq:.2f}x (goal <= 0.7x: {'met' if ovl / seq <= 0.7 else 'not met'})"
+    )
     return 0
 
 

@@ -61,13 +61,13 @@ def main() -> int:
 
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(
             build_tiny_causal_lm(os.path.join(tmp, "m"), hidden_size=args.hidden, num_attention_heads=4)
         )
-        server = ModelServer(
+        server = EmbeddedBackend(
             LLMConfig(
                 model_loading_config={"model_id": "m", "model_source": path},
                 llm_engine="embedded",

@@ -1,7 +1,7 @@
 """Benchmark tpuray.serve.llm on an emulated cluster (v6e 2x2 slice + v6e 1x1 slice, CPU-backed).
 
 1. HTTP overhead: p50/p99 latency of POST /v1/completions through Ray Serve vs calling the same
-   ModelServer directly in this process (goal: overhead <= 5 ms at p50). The default one-model app is one
+   EmbeddedBackend directly in this process (goal: overhead <= 5 ms at p50). The default one-model app is one
    deployment (proxy -> replica holding routes + engine); the two-deployment layout (proxy -> LLMRouter ->
    LLMServer, as Ray Serve LLM builds it, and as tpuray builds multi-model apps) is measured beside it,
    and so are two Serve settings that must be set before Ray starts, each on its own emulated cluster:
@@ -72,7 +72,7 @@ async def post_floor_latencies(url: str, n: int) -> list[float]:
 
 
 async def direct_throughput(server, clients: int, per_client: int, max_tokens: int) -> float:
-    from tpuray.serve.llm.protocol import CompletionRequest
+    from tpuray.serve.llm.openai_schema import CompletionRequest
 
     async def client(k):
         toks = 0
@@ -89,7 +89,7 @@ async def direct_throughput(server, clients: int, per_client: int, max_tokens: i
 
 
 async def direct_latencies(server, n: int) -> list[float]:
-    from tpuray.serve.llm.protocol import CompletionRequest
+    from tpuray.serve.llm.openai_schema import CompletionRequest
 
     out = []
     for i in range(n + 5):
@@ -126,7 +126,7 @@ async def http_throughput(url: str, clients: int, per_client: int, max_tokens: i
 
 async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, float]:
     """(ms per token for one sequence, tokens/s with `clients` concurrent sequences)."""
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     async def one(prompt: str, seed: int) -> int:
         n = 0
@@ -166,7 +166,7 @@ def variant_child(variant: str, requests: int) -> None:
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -202,7 +202,7 @@ def variant_child(variant: str, requests: int) -> None:
             "seq": asyncio.run(http_throughput(url, clients=1, per_client=16, max_tokens=32)),
             "conc": asyncio.run(http_throughput(url, clients=16, per_client=4, max_tokens=32)),
         }
-        server = ModelServer(LLMConfig(**cfg))
+        server = EmbeddedBackend(LLMConfig(**cfg))
         out["direct"] = asyncio.run(direct_latencies(server, requests))
         server.shutdown()
         serve.shutdown()
@@ -245,8 +245,8 @@ def main() -> None:
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 
     rows: list[tuple[str, str, str, str]] = []
     with (
@@ -289,7 +289,7 @@ def main() -> None:
             http = asyncio.run(http_latencies(url, args.requests))
             http_router = asyncio.run(http_latencies(url + "/router", args.requests))
             serve.delete("bench-router")
-            direct_server = ModelServer(LLMConfig(**cpu_cfg))
+            direct_server = EmbeddedBackend(LLMConfig(**cpu_cfg))
             direct = asyncio.run(direct_latencies(direct_server, args.requests))
             eng_seq = asyncio.run(direct_throughput(direct_server, clients=1, per_client=16, max_tokens=32))
             eng_conc = asyncio.run(direct_throughput(direct_server, clients=16, per_client=4, max_tokens=32))

@@ -5,7 +5,9 @@
 3. train it with tpuray's TorchTrainer: one worker per chip, DDP over `tpu_dist`, checkpoints;
 4. save it in Hugging Face format, serve it with `build_openai_app` (tensor parallel over the slice);
 5. send a chat completion with the `openai` client and print the answer;
-6. shut everything down.
+6. with `rl=True` (`tpuray demo --rl`), a second act on the same slice: GRPO (`tpuray.rl.grpo`) with the
+   rollout engine tensor parallel over the slice, the reward printed per iteration;
+7. shut everything down.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tpuray.constants import DEMO_PORT_ENV
 from tpuray.validation import ConfigError
 
 MODEL_ID = "tpuray-demo"
+RL_SLICE = ("TPU-V6E", "2x2")  # the slice tpuray.rl.grpo's rollout engine takes (--slice)
 
 # The corpus the tiny model learns (written for this demo; chat-formatted so the served model answers).
 QA_PAIRS = [
@@ -51,6 +54,8 @@ class DemoConfig:
     quiet: bool = False
     verbose: bool = False  # stream Ray worker / Serve logs to the console
     engine: str = "auto"  # the serving engine: vLLM where installed (auto), or "vLLM" / "embedded"
+    rl: bool = False  # a second act: GRPO with the rollout engine on the slice (tpuray.rl.grpo)
+    rl_iterations: int = 15  # GRPO iterations of the second act
 
     def __post_init__(self) -> None:
         from tpuray.serve.llm.config import ENGINES
@@ -58,6 +63,13 @@ class DemoConfig:
 
         check_choice("engine", self.engine, ENGINES)
         check_positive_int("epochs", self.epochs)
+        check_positive_int("rl_iterations", self.rl_iterations)
+        if self.rl and (self.accelerator_type.upper(), self.topology) != RL_SLICE:
+            raise ConfigError(
+                f"rl=True runs GRPO on an emulated {RL_SLICE[0]} {RL_SLICE[1]} slice; got "
+                f"accelerator_type={self.accelerator_type!r}, topology={self.topology!r}; valid with --rl: "
+                f"{RL_SLICE[0]} {RL_SLICE[1]} (the defaults)"
+            )
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
 
@@ -173,6 +185,9 @@ def run_demo(cfg: DemoConfig) -> str:
             answer = _serve_and_ask(
                 cfg, model_dir, serve, LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
             )
+            if cfg.rl:
+                serve.shutdown()  # frees the slice for the rollout engine
+                _rl_act(cfg)
         finally:
             try:
                 serve.shutdown()
@@ -180,6 +195,30 @@ def run_demo(cfg: DemoConfig) -> str:
                 ray.shutdown()
     _say(cfg, f"done in {time.perf_counter() - t0:.0f} s; emulated cluster shut down, nothing left running")
     return answer
+
+
+def _rl_act(cfg: DemoConfig) -> None:
+    """GRPO on the slice: the rollout engine (TP=2) samples, the trainer steps on this process's CPU,
+    the weights go back every iteration (tpuray.rl.grpo, the loop of examples/rl_grpo.py)."""
+    import contextlib
+    import io
+    import statistics
+
+    from tpuray.rl import grpo
+
+    _say(
+        cfg,
+        f"second act: GRPO for {cfg.rl_iterations} iterations (reward: reply in exactly 3 words), rollout "
+        "engine tensor parallel over the EMULATED slice, trainer on this process's CPU, weight sync each step",
+    )
+    args = grpo.parse_args(["--iterations", str(cfg.rl_iterations), "--group", "4", "--slice"])
+    quiet = contextlib.redirect_stdout(io.StringIO()) if cfg.quiet else contextlib.nullcontext()
+    with quiet:
+        history = grpo.run(args)
+    k = max(1, len(history) // 5)
+    first = statistics.fmean(it.mean_reward for it in history[:k])
+    last = statistics.fmean(it.mean_reward for it in history[-k:])
+    _say(cfg, f"GRPO: mean reward {first:.3f} (first {k} iterations) -> {last:.3f} (last {k})")
 
 
 def _chips(cfg: DemoConfig) -> int:
@@ -190,7 +229,7 @@ def _chips(cfg: DemoConfig) -> int:
 
 def _engine_kwargs(cfg: DemoConfig) -> dict:
     """vLLM's options for a tiny float32 model on CPU (eager: no graph capture to wait for)."""
-    from tpuray.serve.llm.engine import vllm_available
+    from tpuray.serve.llm.engine.vllm import vllm_available
 
     if cfg.engine == "embedded" or (cfg.engine == "auto" and not vllm_available()):
         return {"dtype": "float32"}

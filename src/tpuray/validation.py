@@ -33,3 +33,11 @@ def check_choice(name: str, value: Any, choices: tuple | list) -> Any:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; valid: {', '.join(map(repr, choices))}")
     return value
+
+
+def canonical_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> str:
+    """The entry of `choices` equal to `value` ignoring case and surrounding blanks, else ConfigError."""
+    for choice in choices:
+        if isinstance(value, str) and value.strip().lower() == choice.lower():
+            return choice
+    raise ConfigError(f"{name}={value!r} is not valid; valid: {', '.join(choices)}")

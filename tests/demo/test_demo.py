@@ -19,6 +19,16 @@ def test_config_rejects_bad_values() -> None:
         DemoConfig(lr=0.0)
 
 
+def test_rl_act_needs_its_slice(capsys) -> None:
+    DemoConfig(rl=True)  # the defaults: an emulated v6e 2x2
+    with pytest.raises(ValueError, match="rl=True runs GRPO on an emulated TPU-V6E 2x2 slice; got .*'4x4'"):
+        DemoConfig(rl=True, topology="4x4")
+    with pytest.raises(ValueError, match="rl_iterations"):
+        DemoConfig(rl=True, rl_iterations=0)
+    assert main(["demo", "--rl", "--topology", "4x4", "--quiet"]) == 2
+    assert "TPU-V6E 2x2" in capsys.readouterr().err
+
+
 def test_bad_topology_is_a_one_line_usage_error(capsys) -> None:
     assert main(["demo", "--topology", "3x3", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()

@@ -57,6 +57,21 @@ def test_cli_kinds_and_output_file(tmp_path, capsys):
             ["-a", "TPU-V6E", "-t", "4x4", "--kind", "rayservice", "--serve-config", "/nonexistent.yaml"],
             "nonexistent",
         ),
+        (
+            ["-a", "TPU-V6E", "-t", "4x4", "--max-slices", "2", "--idle-timeout-s", "9"],
+            "--max-slices, --idle-timeout-s need --autoscale",
+        ),
+        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--max-slices", "0"], "max_slices=0"),
+        (
+            ["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--min-slices", "3", "--max-slices", "2"],
+            "min_slices=3",
+        ),
+        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--num-slices", "2"], "num_slices=2"),
+        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--upscaling-mode", "fast"], "'fast'"),
+        (
+            ["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--autoscaler-version", "v1"],
+            "'v1' cannot scale slices of 4 hosts",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys):
@@ -111,3 +126,44 @@ def test_cli_spot_and_reservation(capsys):
     with pytest.raises(SystemExit) as both:
         main(["k8s", "-a", "TPU-V6E", "-t", "4x4", "--spot", "--reservation", "res-a"])
     assert both.value.code == 2 and "not allowed with argument --spot" in capsys.readouterr().err
+
+
+def test_cli_autoscale(capsys):
+    argv = [
+        "k8s",
+        "-a",
+        "TPU-V6E",
+        "-t",
+        "4x4",
+        "--autoscale",
+        "--max-slices",
+        "3",
+        "--upscaling-mode",
+        "default",
+    ]
+    assert main([*argv, *(["--validate"] if crds_available() else [])]) == 0
+    out = capsys.readouterr().out
+    assert "autoscaled 0..3 slices (autoscaler v2)" in out.splitlines()[0]
+    (m,) = _docs(out)
+    assert m["spec"]["enableInTreeAutoscaling"] is True
+    assert m["spec"]["autoscalerOptions"] == {"version": "v2", "upscalingMode": "Default"}
+    group = m["spec"]["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"], group["numOfHosts"]) == (
+        0,
+        0,
+        3,
+        4,
+    )
+    with pytest.raises(SystemExit):
+        main(["k8s", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in (
+        "--autoscale",
+        "--min-slices",
+        "--max-slices",
+        "--idle-timeout-s",
+        "--upscaling-mode",
+        "--autoscaler-version",
+        "docs/autoscaling-k8s.md",
+    ):
+        assert flag in help_text

@@ -105,8 +105,13 @@ def check_kuberay_rules(manifest: dict) -> None:
             assert all(len(p["name"]) <= 15 for p in c.get("ports", []))
     for group in spec["workerGroupSpecs"]:
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-        # Label values must be valid Kubernetes label values.
-        for value in group["template"]["metadata"]["labels"].values():
+        # Label values must be valid Kubernetes label values (pod labels, and Ray node labels KubeRay
+        # also puts on the pods); Ray node label keys must be qualified names.
+        for key in group.get("labels", {}):
+            assert re.fullmatch(
+                r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", key
+            )
+        for value in [*group["template"]["metadata"]["labels"].values(), *group.get("labels", {}).values()]:
             assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", value) and len(value) <= 63
 
 

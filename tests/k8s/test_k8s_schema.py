@@ -11,7 +11,7 @@ import copy
 import jsonschema
 import pytest
 
-from tpuray.k8s import K8sConfig, build_manifest
+from tpuray.k8s import AutoscaleConfig, K8sConfig, build_manifest
 from tpuray.k8s.schema import (
     CRD_FILES,
     _list_type,
@@ -22,6 +22,7 @@ from tpuray.k8s.schema import (
     validation_errors,
 )
 
+from .test_k8s_autoscale import SHAPES
 from .test_k8s_manifests import CASES, IDS, KIND_ARGS
 
 needs_crds = pytest.mark.skipif(
@@ -96,6 +97,49 @@ def test_spot_and_reservation_validate_against_kuberay_crd(kind, capacity):
     assert validation_errors(build_manifest(cfg)) == []
 
 
+AUTOSCALE = {
+    "defaults": AutoscaleConfig(),
+    "all options": AutoscaleConfig(
+        min_slices=1, max_slices=4, idle_timeout_s=600, upscaling_mode="Aggressive"
+    ),
+}
+
+
+@needs_crds
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+@pytest.mark.parametrize(("acc", "topology", "hosts"), SHAPES)
+@pytest.mark.parametrize("scale", list(AUTOSCALE))
+def test_autoscaled_manifests_validate_against_kuberay_crd(kind, acc, topology, hosts, scale):
+    autoscale = AUTOSCALE[scale]
+    cfg = K8sConfig(
+        acc, topology, num_slices=autoscale.min_slices, kind=kind, autoscale=autoscale, **KIND_ARGS[kind]
+    )
+    assert validation_errors(build_manifest(cfg)) == []
+
+
+@pytest.fixture(scope="module")
+def autoscaled() -> dict:
+    return build_manifest(K8sConfig("TPU-V6E", "4x4", num_slices=1, autoscale=AUTOSCALE["all options"]))
+
+
+AUTOSCALE_MUTATIONS = {
+    "upscalingMode outside KubeRay's enum": lambda m: m["spec"]["autoscalerOptions"].__setitem__(
+        "upscalingMode", "Fast"
+    ),
+    "autoscaler version outside the enum": lambda m: m["spec"]["autoscalerOptions"].__setitem__(
+        "version", "v3"
+    ),
+    "enableInTreeAutoscaling as text": lambda m: m["spec"].__setitem__("enableInTreeAutoscaling", "yes"),
+    "idleTimeoutSeconds as text": lambda m: m["spec"]["autoscalerOptions"].__setitem__(
+        "idleTimeoutSeconds", "1m"
+    ),
+    "unknown autoscalerOptions field": lambda m: m["spec"]["autoscalerOptions"].__setitem__("minSlices", 1),
+    "group labels not a map of strings": lambda m: _group(m).__setitem__(
+        "labels", {"ray.io/tpu-topology": 4}
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def cluster() -> dict:
     return build_manifest(K8sConfig("TPU-V6E", "4x4", num_slices=2))
@@ -133,11 +177,14 @@ MUTATIONS = {
 
 
 @needs_crds
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
-def test_validation_catches_broken_manifests(cluster, mutation):
-    m = copy.deepcopy(cluster)
+@pytest.mark.parametrize(
+    ("base", "mutation"),
+    [("cluster", name) for name in MUTATIONS] + [("autoscaled", name) for name in AUTOSCALE_MUTATIONS],
+)
+def test_validation_catches_broken_manifests(request, base, mutation):
+    m = copy.deepcopy(request.getfixturevalue(base))
     assert validation_errors(m) == []
-    MUTATIONS[mutation](m)
+    {**MUTATIONS, **AUTOSCALE_MUTATIONS}[mutation](m)
     assert validation_errors(m), mutation
 
 
@@ -164,12 +211,20 @@ def _nodes_at(node, path: tuple[str, ...]) -> list:
 
 @needs_crds
 def test_we_set_no_field_guarded_by_unchecked_cel_rules():
+    """Fixed and autoscaled manifests of every kind stay clear of fields whose rules we cannot check."""
     for kind, kwargs in KIND_ARGS.items():
         paths = cel_rule_paths(kind)
-        assert ("spec", "managedBy") in paths, (kind, paths)  # the walk finds KubeRay's CEL rules
-        manifest = build_manifest(K8sConfig("v6e", "4x4", kind=kind, **kwargs))
-        for path in paths:
-            assert _nodes_at(manifest, path) == [], (kind, path)
+        # The walk must find KubeRay's CEL rules: an empty list would make the checks below vacuous.
+        assert paths, f"no CEL rules found in the {kind} CRD: the walk is broken or the CRD changed"
+        assert ("spec", "managedBy") in paths, (kind, paths)
+        fixed = build_manifest(K8sConfig("v6e", "4x4", kind=kind, **kwargs))
+        scaled = build_manifest(
+            K8sConfig("v6e", "4x4", kind=kind, autoscale=AutoscaleConfig(max_slices=2), **kwargs)
+        )
+        for manifest in (fixed, scaled):
+            for path in paths:
+                assert _nodes_at(manifest, path) == [], (kind, path)
+        manifest = fixed
         # the check sees such a field where a manifest sets it (including inside lists)
         manifest["spec"]["managedBy"] = "ray.io/kuberay-operator"
         assert [p for p in paths if _nodes_at(manifest, p)] == [("spec", "managedBy")]

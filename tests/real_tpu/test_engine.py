@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tpuray.serve.llm.engine.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

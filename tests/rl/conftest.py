@@ -1,8 +1,14 @@
-"""Fixtures for tpuray.rl tests: two tiny local Llama-style models of the same shapes (different seeds)."""
+"""Fixtures for tpuray.rl tests: two tiny local Llama-style models of the same shapes (different seeds)
+and the greedy tokens of each (loaded from disk into an in-process engine)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +20,17 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
         str(build_tiny_causal_lm(root / "a", max_position_embeddings=256, seed=0)),
         str(build_tiny_causal_lm(root / "b", max_position_embeddings=256, seed=1)),
     )
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_models) -> dict[str, list[list[int]]]:
+    from _rl_util import greedy
+
+    from tpuray.rl import RolloutConfig, RolloutEngine
+
+    out = {}
+    for name, path in zip("ab", tiny_models, strict=True):
+        with RolloutEngine(RolloutConfig(path, max_model_len=64, max_num_seqs=4)) as engine:
+            out[name] = greedy(engine)
+    assert out["a"] != out["b"]
+    return out

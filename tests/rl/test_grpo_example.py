@@ -1,30 +1,25 @@
-"""examples/rl_grpo.py: GRPO with the rollout engine in this process (the mean reward rises) and on an
-emulated slice (the loop runs with TP=2 and weight sync every iteration)."""
+"""examples/rl_grpo.py (tpuray.rl.grpo): GRPO with the rollout engine in this process (the mean reward rises) and on an
+emulated slice (the loop runs with TP=2 and weight sync every iteration; with the trainer on tpuray.train
+on the other slice, overlapped)."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 import statistics
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tpuray.rl import grpo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_grpo.py"
 
 
-@pytest.fixture(scope="module")
-def grpo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_rl_grpo", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def test_the_example_runs_the_package_loop():
+    assert runpy.run_path(str(EXAMPLE))["main"] is grpo.main
 
 
-def test_reward_and_advantages(grpo):
+def test_reward_and_advantages():
     assert [grpo.reward(t, 3) for t in ("a b c", "a b", "", "a b c d e f g")] == pytest.approx(
         [1.0, 2 / 3, 0.0, 0.0]
     )
@@ -32,9 +27,11 @@ def test_reward_and_advantages(grpo):
     assert adv[0] > 0 > adv[1] and adv[2] == adv[3] == 0.0
     with pytest.raises(SystemExit):
         grpo.parse_args(["--group", "0"])
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--overlap"])  # needs --trainer tpuray
 
 
-def test_grpo_in_process_raises_the_mean_reward(grpo, capsys, tmp_path):
+def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):
     history = grpo.run(grpo.parse_args(["--iterations", "30"]))
     means = [it.mean_reward for it in history]
     assert len(means) == 30 and all(0.0 <= m <= 1.0 for m in means)
@@ -46,9 +43,13 @@ def test_grpo_in_process_raises_the_mean_reward(grpo, capsys, tmp_path):
     assert png.stat().st_size > 0
 
 
-def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, grpo, capsys):
+def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, capsys):
     history = grpo.run(grpo.parse_args(["--iterations", "3", "--group", "4", "--slice", "--colocate"]))
     assert len(history) == 3 and all(it.sync_bytes > 0 and it.generate_s > 0 for it in history)
     out = capsys.readouterr().out
     assert "tensor_parallel_size=2" in out and "EMULATED TPU" in out
+    # the trainer on tpuray.train (FSDP2, one slice), the engine on the other, overlapped (RLRun)
+    args = ["--iterations", "2", "--group", "2", "--trainer", "tpuray", "--overlap"]
+    history = grpo.run(grpo.parse_args(args))
+    assert len(history) == 2 and all(it.train_s > 0 and it.sync_bytes > 0 for it in history)
     pg_leak_check()

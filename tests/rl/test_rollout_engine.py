@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _rl_util import GREEDY, PROMPTS
+from _rl_util import greedy as _greedy
+from _rl_util import state_dict as _state_dict
 
 from tpuray.rl import (
     RolloutConfig,
@@ -14,32 +17,8 @@ from tpuray.rl import (
     WeightMismatchError,
     put_shards,
 )
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.validation import ConfigError
-
-PROMPTS = ["Hello world", "1 + 2 =", "The"]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _state_dict(path: str) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path).state_dict()
-
-
-def _greedy(engine: RolloutEngine) -> list[list[int]]:
-    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> dict[str, list[list[int]]]:
-    """Greedy tokens of each model loaded from disk into an in-process engine."""
-    out = {}
-    for name, path in zip("ab", tiny_models, strict=True):
-        with RolloutEngine(RolloutConfig(path, max_model_len=64, max_num_seqs=4)) as engine:
-            out[name] = _greedy(engine)
-    assert out["a"] != out["b"]
-    return out
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from tpuray.rl.weights import (
     shapes_of,
     shard_state,
 )
-from tpuray.serve.llm.engine.model import ShardedLlama, load_state_dict
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama, load_state_dict
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

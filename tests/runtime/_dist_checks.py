@@ -201,7 +201,7 @@ def prepare_model(rank: int, world: int) -> None:
     from tpuray.train.torch import get_device, prepare_model
 
     ctx = session.TrainContext(rank, world, rank, world, 0, "check", "/tmp", "/tmp", device_type="tpu")
-    session._start(ctx, None, 0)
+    session.start_session(ctx, None, 0)
     model = prepare_model(_model(torch.float32))
     assert type(model).__name__ == "DistributedDataParallel" and get_device().type == "tpu"
     _three_steps(model, world)

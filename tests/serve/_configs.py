@@ -8,9 +8,9 @@ MAX_MODEL_LEN = 256
 def in_process_server(model_id: str, model_dir: str, max_model_len: int = MAX_MODEL_LEN):
     """The embedded engine and its OpenAI layer in this process (float32: comparable with transformers)."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
 
-    return ModelServer(
+    return EmbeddedBackend(
         LLMConfig(
             model_loading_config={"model_id": model_id, "model_source": model_dir},
             llm_engine="embedded",

@@ -14,7 +14,7 @@ from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, ascii_json, body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuray.serve.llm.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from tpuray.serve.llm.request_checks import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
 
 

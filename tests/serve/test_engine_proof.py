@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from tpuray.serve.llm.engine import vllm_available
+from tpuray.serve.llm.engine.vllm import vllm_available
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"
@@ -78,10 +78,10 @@ def test_a_model_vllm_can_run_keeps_vllm(tmp_path):
 WARM_UP_CHILD = """
 import asyncio, json, os, sys
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.vllm_server import VLLMServer
+from tpuray.serve.llm.vllm_backend import VLLMBackend
 cfg = LLMConfig(model_loading_config={"model_id": "tiny-hd8", "model_source": sys.argv[1]},
                 llm_engine="vLLM", engine_kwargs=json.loads(sys.argv[2]))
-server = VLLMServer(cfg)
+server = VLLMBackend(cfg)
 try:
     asyncio.run(server.start())
     print("STARTED")

@@ -20,7 +20,7 @@ from _openapi_fuzz import request_bodies
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuray.serve.llm.engine import vllm_available
+from tpuray.serve.llm.engine.vllm import vllm_available
 
 pytestmark = pytest.mark.slow  # ~2.5 min: make test-fast skips it, make test (CI) runs it
 

@@ -86,8 +86,8 @@ def test_embedded_engine_serves_a_file_url(tiny_model_dir, tmp_path, monkeypatch
     import asyncio
 
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     monkeypatch.setenv("TPURAY_MODEL_CACHE", str(tmp_path / "cache"))
     cfg = LLMConfig(
@@ -179,7 +179,7 @@ def _slice_config(url: str, host_cache: Path, accelerator_type: str, topology: s
 def _greedy(engine, prompt: str = "Hello world") -> list[int]:
     import asyncio
 
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     async def go() -> list[int]:
         ids: list[int] = []
@@ -204,7 +204,7 @@ def _check_resolved_on_hosts(engine, host_cache: Path, hosts: int) -> None:
 def test_embedded_engine_on_a_slice_resolves_a_url_on_its_hosts(
     emulated_cluster, tiny_model_dir, tmp_path, monkeypatch
 ):
-    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+    from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 
     monkeypatch.setenv("TPURAY_MODEL_CACHE", str(tmp_path / "replica"))
     host_cache = tmp_path / "hosts"
@@ -225,7 +225,7 @@ def test_embedded_engine_on_a_two_host_slice_has_the_model_on_each_host(
     URL and the sharded engine's greedy tokens equal the single-process engine's."""
     from tpuray.emulator import SliceRequest
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.engine.embedded import EmbeddedEngine
+    from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 
     cluster_manager.get(SliceRequest("TPU-V4", "2x2x2"), head_cpus=2)
     monkeypatch.setenv("TPURAY_MODEL_CACHE", str(tmp_path / "replica"))

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from _util import live_placement_groups, new_placement_groups
-from tpuray.serve.llm.engine import vllm_available
+from tpuray.serve.llm.engine.vllm import vllm_available
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"

@@ -16,7 +16,7 @@ import pytest
 from _configs import in_process_server
 from _vllm_fields import CH, VLLM_REFUSED, C
 
-from tpuray.serve.llm.protocol import (
+from tpuray.serve.llm.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -85,7 +85,7 @@ def refused(server, endpoint: str, body: dict) -> OpenAIError:
 
 
 def test_message_name_reaches_the_chat_template(server):
-    from tpuray.serve.llm.engine.prompts import template_messages
+    from tpuray.serve.llm.engine.embedded.prompts import template_messages
 
     tok = server.engine.tokenizer
     messages = [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]
@@ -217,7 +217,7 @@ def test_every_vllm_only_field_is_in_the_refused_table():
 
 def test_vllm_fields_at_their_defaults_are_accepted_and_unknown_fields_logged(caplog):
     body = {"model": "m", "prompt": "x", "use_beam_search": False, "priority": 0, "bad_words": []}
-    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.protocol"):
+    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.openai_schema"):
         parse_request(CompletionRequest, body)
         assert not caplog.records  # vLLM's defaults are what this engine does: nothing ignored
         parse_request(CompletionRequest, {**body, "frobnicate": 1, "zz_unknown": "x"})

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.runner import ModelRunner
-from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills, powers_of_two
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.step_plan import Buckets, decode_batches, pack_prefills, powers_of_two
 
 
 def test_buckets_pick_and_pack():

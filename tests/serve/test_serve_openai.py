@@ -22,6 +22,9 @@ EMBED_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 @pytest.fixture(scope="module")
 def server(serve_url, tiny_model_dir):
+    """Both apps of the module, each on its own 2x2 slice: "tpuray-llm" (router + the tiny model + MiniLM,
+    at /) and "tpuray-single" (the one-model app, at /single, see `single`). Deployed in one call, so
+    their replicas start at the same time (one wait instead of two)."""
     import ray
     from ray import serve
 
@@ -29,13 +32,21 @@ def server(serve_url, tiny_model_dir):
 
     before = set(live_placement_groups())
     config = tiny_tp4_config(tiny_model_dir)
+    single_args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
+    assert single_args.single_deployment
     try:
         app = build_openai_app(LLMServingArgs(llm_configs=[config, minilm_config()], api_key=API_KEY))
-        serve.run(app, name="tpuray-llm", route_prefix="/")
+        serve.run_many(
+            [
+                serve.RunTarget(app, name="tpuray-llm", route_prefix="/"),
+                serve.RunTarget(build_openai_app(single_args), name="tpuray-single", route_prefix="/single"),
+            ]
+        )
         yield serve_url
     finally:
+        serve.delete("tpuray-single")
         serve.delete("tpuray-llm")
-        assert not new_placement_groups(before), "the replica's slice placement group was not released"
+        assert not new_placement_groups(before), "an app's slice placement group was not released"
         assert ray.is_initialized()
 
 
@@ -60,10 +71,10 @@ def test_models_and_replica_layout(client, server):
 def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
     """Greedy text from the 4-way sharded engine equals the unsharded engine in this process."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.protocol import CompletionRequest
-    from tpuray.serve.llm.server import ModelServer
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.openai_schema import CompletionRequest
 
-    local = ModelServer(
+    local = EmbeddedBackend(
         LLMConfig(
             model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
             llm_engine="embedded",
@@ -267,19 +278,10 @@ def test_500_concurrent_requests_lose_none(server):
 
 
 @pytest.fixture(scope="module")
-def single(server, tiny_model_dir):
-    """A one-model app (one deployment: routes and engine in the replica) on the other 2x2 slice."""
-    from ray import serve
-
-    from tpuray.serve.llm import LLMServingArgs, build_openai_app
-
-    args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
-    assert args.one_deployment
-    before = set(live_placement_groups())
-    serve.run(build_openai_app(args), name="tpuray-single", route_prefix="/single")
-    yield server + "/single"
-    serve.delete("tpuray-single")
-    assert not new_placement_groups(before), "the single deployment's slice placement group was not released"
+def single(server):
+    """The one-model app (one deployment: routes and engine in the replica) on the other 2x2 slice,
+    deployed (and deleted, its placement group checked) with the module's other app by `server`."""
+    return server + "/single"
 
 
 def test_single_model_app_is_one_deployment(single, client):

@@ -22,7 +22,7 @@ ray.cloudpickle.register_pickle_by_value(_loops)
 SCALING = dict(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
 
 
-def _fit_with_preemption(cluster, tmp_path, failure_config: FailureConfig, notice_s: float = 10.0):
+def _fit_with_preemption(cluster, tmp_path, failure_config: FailureConfig, notice_s: float = 5.0):
     """fit() while a thread preempts the slice rank 0 runs on (after its 5th step); returns (result or
     error, preemption, notice time). The preempted slice is brought back before returning."""
     marker = tmp_path / "marker"
@@ -87,7 +87,7 @@ def test_preempted_slice_checkpoints_and_resumes_on_spare_slice(emulated_cluster
 
 def test_preemptions_count_against_max_preemption_failures(emulated_cluster, pg_leak_check, tmp_path):
     error, _, _ = _fit_with_preemption(
-        emulated_cluster, tmp_path, FailureConfig(max_failures=5, max_preemption_failures=0), notice_s=5.0
+        emulated_cluster, tmp_path, FailureConfig(max_failures=5, max_preemption_failures=0)
     )
     assert isinstance(error, WorkerGroupError)
     assert "max_preemption_failures=0" in str(error) and "preempted" in str(error)

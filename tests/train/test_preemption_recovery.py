@@ -169,15 +169,18 @@ def test_no_free_slice_after_a_preemption_fails_once_the_reservation_times_out(
 ) -> None:
     """Another job holds the spare slice and the preempted one never comes back: fit() waits up to
     $TPURAY_TRAIN_RESERVE_TIMEOUT_S for a slice, then fails with SliceReservationTimeout saying so; the
-    checkpoint the loop made on the notice is kept."""
+    checkpoint the loop made on the notice is kept. The first attempt reserves under a roomy timeout (its
+    workers' start, on a loaded machine); the variable is read again for each attempt, and the one after
+    the preemption can find no slice at all, so a short wait for it is waited out in full."""
     from tpuray.slices.placement import SlicePlacementGroup
 
-    monkeypatch.setenv(RESERVE_TIMEOUT_ENV, "15")
+    monkeypatch.setenv(RESERVE_TIMEOUT_ENV, "60")
     spare = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
     marker = tmp_path / "marker"
     trainer = _trainer(tmp_path, "nospare", {"steps": 20, "signal_at": 3, "marker": str(marker)})
 
     def preempt(node_id: str):
+        monkeypatch.setenv(RESERVE_TIMEOUT_ENV, "3")  # for the attempt after this preemption
         return emulated_cluster.preempt_slice(_slice_of(emulated_cluster, node_id), notice_s=5)
 
     try:
@@ -187,7 +190,7 @@ def test_no_free_slice_after_a_preemption_fails_once_the_reservation_times_out(
     try:
         assert isinstance(error, SliceReservationTimeout), error
         message = str(error)
-        assert "attempt 1 after 1 preemption(s)" in message and "found no free slice within 15.0s" in message
+        assert "attempt 1 after 1 preemption(s)" in message and "found no free slice within 3.0s" in message
         assert RESERVE_TIMEOUT_ENV in message and "checkpoint_" in message
         assert error.result.num_preemptions == 1
         assert error.result.checkpoint is not None  # the checkpoint asked for on the notice

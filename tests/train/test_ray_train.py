@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -16,6 +17,16 @@ from tpuray.emulator import SliceRequest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _examples import load_example  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quick_controller_polls() -> Iterator[None]:
+    """Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), so a fit
+    ends up to 2 s after its workers do, at each state change; it passes the variable on to its actors.
+    Polled more often here: what these tests check does not depend on the period."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+        yield
 
 
 def _example():

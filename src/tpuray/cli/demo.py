@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "serves it with build_openai_app, sends one chat completion with the openai client, prints the "
             "answer and shuts everything down."
         ),
-        epilog="example: tpuray demo --epochs 60 --question 'What is tpuray?'",
+        epilog="example: tpuray demo --epochs 60 --question 'What is tpuray?'   (add --rl for the GRPO act)",
     )
     p.add_argument(
         "--accelerator-type", default="TPU-V6E", help="TPU generation to emulate (default TPU-V6E)"
@@ -31,6 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="serving engine: vLLM where it is installed (auto, the default), or tpuray's embedded engine",
     )
+    p.add_argument(
+        "--rl",
+        action="store_true",
+        help="then a second act: GRPO on the same emulated slice (tpuray.rl; examples/rl_grpo.py), "
+        "the mean reward per iteration",
+    )
+    p.add_argument("--rl-iterations", type=int, default=15, help="GRPO iterations with --rl (default 15)")
     p.add_argument("--quiet", action="store_true", help="print only the answer")
     p.add_argument("--verbose", action="store_true", help="also stream Ray worker and Serve logs")
     p.set_defaults(func=run)
@@ -49,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         verbose=args.verbose,
         engine=args.engine,
+        rl=args.rl,
+        rl_iterations=args.rl_iterations,
     )
     run_demo(cfg)
     return 0

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpuray.cli import UsageError
+
+if TYPE_CHECKING:
+    from tpuray.k8s.autoscale import AutoscaleConfig
 
 EPILOG = """\
 examples:
@@ -15,12 +19,20 @@ examples:
   tpuray k8s -a v5p -t 2x2x2 --kind rayjob --entrypoint "python train.py" --pip "tpuray[tpu]"
   tpuray k8s -a TPU-V6E -t 2x4 --kind rayservice --model /models/my-llm
   tpuray k8s -a TPU-V6E -t 4x4 --kind rayservice --serve-config serve.yaml
+  tpuray k8s -a TPU-V6E -t 4x4 --autoscale --min-slices 0 --max-slices 4 --idle-timeout-s 300
 
 One worker group, one replica per slice, numOfHosts pods per replica (one per TPU host, each with
 all its chips as google.com/tpu), pinned by the cloud.google.com/gke-tpu-accelerator and
 cloud.google.com/gke-tpu-topology node selectors. Needs the KubeRay operator and its TPU webhook
 (GKE's Ray add-on installs both). See docs/k8s.md.
+
+--autoscale turns on Ray's in-tree autoscaler (enableInTreeAutoscaling, autoscalerOptions): it adds and
+removes whole slices, one worker-group replica of numOfHosts pods each, between --min-slices and
+--max-slices (counted in slices, not hosts; --num-slices is the initial count, default --min-slices).
+GKE must supply the nodes: TPU node pools with autoscaling or node auto-provisioning. See
+docs/autoscaling-k8s.md.
 """
+AUTOSCALE_FLAGS = ("min_slices", "max_slices", "idle_timeout_s", "upscaling_mode", "autoscaler_version")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--accelerator-type", "-a", required=True, help="e.g. TPU-V6E, v5e, v5p, v4, tpu7x")
     p.add_argument("--topology", "-t", required=True, help="e.g. 4x4 (v5e/v6e) or 2x2x2 (v4/v5p/v7x)")
-    p.add_argument("--num-slices", type=int, default=1, help="identical slices = worker replicas (1)")
+    p.add_argument(
+        "--num-slices",
+        type=int,
+        default=None,
+        help="identical slices = worker replicas (default 1; with --autoscale the initial count, default --min-slices)",
+    )
     p.add_argument(
         "--kind", default="raycluster", help="raycluster (default), rayjob or rayservice (case-insensitive)"
     )
@@ -78,8 +95,68 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="TPU hosts on the GKE reservation NAME (cloud.google.com/reservation-name, affinity specific)",
     )
+    _add_autoscale_args(p)
     p.add_argument("--output", "-o", metavar="FILE", default=None, help="write to FILE instead of stdout")
     p.set_defaults(func=run)
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    from tpuray.k8s.autoscale import AUTOSCALER_VERSIONS, UPSCALING_MODES
+
+    g = p.add_argument_group("autoscaling (Ray's in-tree autoscaler; counts are whole slices)")
+    g.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="enableInTreeAutoscaling: Ray's autoscaler adds/removes whole slices for pending demand",
+    )
+    g.add_argument(
+        "--min-slices", type=int, default=None, metavar="N", help="minReplicas in slices (default 0)"
+    )
+    g.add_argument(
+        "--max-slices", type=int, default=None, metavar="N", help="maxReplicas in slices, >= 1 (default 1)"
+    )
+    g.add_argument(
+        "--idle-timeout-s",
+        type=int,
+        default=None,
+        metavar="S",
+        help="autoscalerOptions.idleTimeoutSeconds: a slice idle this long is removed (Ray's default 60)",
+    )
+    g.add_argument(
+        "--upscaling-mode",
+        default=None,
+        metavar="MODE",
+        help=f"autoscalerOptions.upscalingMode: {', '.join(UPSCALING_MODES)} (case-insensitive; "
+        "Ray's default: not rate-limited)",
+    )
+    g.add_argument(
+        "--autoscaler-version",
+        default=None,
+        metavar="VERSION",
+        help=f"autoscalerOptions.version: {' or '.join(AUTOSCALER_VERSIONS)} (default v2; "
+        "v1 only for single-host slices)",
+    )
+
+
+def _autoscale_config(args: argparse.Namespace) -> tuple[int, AutoscaleConfig | None]:
+    """(initial slices, autoscale config); autoscaling flags without --autoscale are refused by name."""
+    from tpuray.k8s.autoscale import AutoscaleConfig
+
+    if not args.autoscale:
+        given = [f"--{f.replace('_', '-')}" for f in AUTOSCALE_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} need --autoscale (they set the autoscaler's bounds and options)"
+            )
+        return (1 if args.num_slices is None else args.num_slices), None
+    scale = AutoscaleConfig(
+        min_slices=0 if args.min_slices is None else args.min_slices,
+        max_slices=1 if args.max_slices is None else args.max_slices,
+        idle_timeout_s=args.idle_timeout_s,
+        upscaling_mode=args.upscaling_mode,
+        version=args.autoscaler_version or "v2",
+    )
+    return (scale.min_slices if args.num_slices is None else args.num_slices), scale
 
 
 def _load_serve_config(path: str) -> dict:
@@ -99,10 +176,11 @@ def _load_serve_config(path: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     from tpuray.k8s import K8sConfig, build_manifest, render
 
+    num_slices, autoscale = _autoscale_config(args)
     cfg = K8sConfig(
         accelerator_type=args.accelerator_type,
         topology=args.topology,
-        num_slices=args.num_slices,
+        num_slices=num_slices,
         kind=args.kind,
         name=args.name,
         namespace=args.namespace,
@@ -118,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         spot=args.spot,
         reservation=args.reservation,
+        autoscale=autoscale,
     )
     if args.validate:
         from tpuray.k8s.schema import validate

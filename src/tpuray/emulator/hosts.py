@@ -80,7 +80,7 @@ def _vllm_env() -> dict[str, str]:
     engine core run): vLLM's platform is tpuray's EmulatedTpuPlatform (its CPU backend, scheduled one
     worker per emulated chip), and each vLLM CPU worker takes a 1 GiB KV cache unless set otherwise,
     like the emulated hosts' 4 GiB of memory. Ray Serve LLM's TPU path then runs unchanged."""
-    from tpuray.serve.llm.engine.vllm_plugin import EMULATED_TPU
+    from tpuray.serve.llm.engine.vllm.plugin import EMULATED_TPU
 
     return {
         VLLM_PLATFORM_ENV: EMULATED_TPU,

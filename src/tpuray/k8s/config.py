@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuray.k8s.autoscale import AutoscaleConfig
 from tpuray.topology import SliceTopology
-from tpuray.validation import ConfigError, check_positive_int
+from tpuray.validation import ConfigError, canonical_choice, check_positive_int
 
 # Ray generation name (tpuray.topology Generation.name) -> GKE accelerator node label value.
 GKE_TPU_ACCELERATORS: dict[str, str] = {
@@ -72,10 +73,7 @@ def _set(obj: object, name: str, value: object) -> None:
 
 
 def normalize_kind(kind: str) -> str:
-    for k in KINDS:
-        if isinstance(kind, str) and kind.strip().lower() == k.lower():
-            return k
-    raise ConfigError(f"unknown kind {kind!r}; valid: {', '.join(k.lower() for k in KINDS)}")
+    return canonical_choice("kind", kind, KINDS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,8 @@ class K8sConfig:
     Quantities (`*_cpu`, `*_memory`) are Kubernetes quantities ("8", "500m", "32Gi"); worker ones
     are per host (per pod). `runtime_env` goes to RayJob's runtimeEnvYAML and to the default Serve
     application; `serve_config` is a Ray Serve config (with `applications`) or the args of
-    `tpuray.serve.llm:build_openai_app` (with `llm_configs`).
+    `tpuray.serve.llm:build_openai_app` (with `llm_configs`). With `autoscale`, Ray's autoscaler keeps
+    between its `min_slices` and `max_slices` slices and `num_slices` (may be 0) is the initial count.
     """
 
     accelerator_type: str
@@ -106,6 +105,8 @@ class K8sConfig:
     model: str | None = None
     spot: bool = False  # TPU hosts on a GKE spot node pool (preemptible: see docs/preemption.md)
     reservation: str | None = None  # TPU hosts on a specific GKE reservation
+    # Ray's autoscaler adds / removes whole slices between its bounds; num_slices is then the initial count.
+    autoscale: AutoscaleConfig | None = None
     slice_topology: SliceTopology = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,7 +115,7 @@ class K8sConfig:
         kind = normalize_kind(self.kind)
         _set(self, "slice_topology", topo)
         _set(self, "kind", kind)
-        check_positive_int("num_slices", self.num_slices)
+        self._check_slices()
         if not self.ray_version:
             _set(self, "ray_version", default_ray_version())
         if not re.fullmatch(r"\d+\.\d+\.\d+\S*", self.ray_version):
@@ -141,6 +142,20 @@ class K8sConfig:
                 )
         self._check_kind_fields()
         self._check_capacity()
+
+    def _check_slices(self) -> None:
+        if self.autoscale is None:
+            check_positive_int("num_slices", self.num_slices)
+            return
+        if not isinstance(self.autoscale, AutoscaleConfig):
+            raise ConfigError(f"autoscale must be an AutoscaleConfig or None, got {self.autoscale!r}")
+        self.autoscale.check_replicas(self.num_slices)
+        self.autoscale.check_hosts(self.slice_topology.num_hosts)
+
+    @property
+    def max_slices(self) -> int:
+        """The most slices the cluster can have: the autoscaler's bound, else the fixed count."""
+        return self.autoscale.max_slices if self.autoscale else self.num_slices
 
     def _check_capacity(self) -> None:
         if not isinstance(self.spot, bool):
@@ -235,10 +250,9 @@ class K8sConfig:
                 )
             n = c.deployment_config.get("num_replicas", 1)
             replicas += n if isinstance(n, int) else 1
-        if replicas > self.num_slices:
-            raise ConfigError(
-                f"{where}: the TPU replicas need {replicas} slices (one each) but num_slices={self.num_slices}"
-            )
+        if replicas > self.max_slices:
+            bound = f"max_slices={self.max_slices}" if self.autoscale else f"num_slices={self.num_slices}"
+            raise ConfigError(f"{where}: the TPU replicas need {replicas} slices (one each) but {bound}")
 
     @property
     def gke_accelerator(self) -> str:
@@ -261,4 +275,5 @@ class K8sConfig:
                 if self.reservation
                 else ""
             )
+            + (f", {self.autoscale.describe()}" if self.autoscale else "")
         )

@@ -6,21 +6,36 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
   (checked before anything is written), `sleep()` / `wake_up()`, `shutdown()`.
 - `weights`: the Hugging Face name <-> engine tensor mapping (one place); `put_shards(state, config, tp)`
   cuts an update per tensor-parallel rank where the state lives, so each engine rank receives its part.
+- `sync`: weight sync from a `tpuray.train` run: `WeightSync` (driver) / `SyncTarget.send` (every trainer
+  rank sends only its shard, FSDP2; rank 0 the full state, DDP) -> a `TrainerUpdate` for `update_weights`.
+- `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated),
+  joined by a batch -> train -> sync loop, optionally overlapped (off-policy by one step).
 """
 
 from __future__ import annotations
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
+from tpuray.rl.run import IterationStats, RLConfig, RLResult, RLRun, RLRunError
+from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, put_shards
 
 __all__ = [
+    "IterationStats",
+    "RLConfig",
+    "RLResult",
+    "RLRun",
+    "RLRunError",
     "Rollout",
     "RolloutConfig",
     "RolloutEngine",
     "RolloutEngineError",
     "ShardedUpdate",
+    "SyncError",
+    "SyncTarget",
+    "TrainerUpdate",
     "UpdateStats",
     "WeightMismatchError",
+    "WeightSync",
     "put_shards",
 ]

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
+from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
 from tpuray.validation import ConfigError
 
-ROLLOUT_ENGINES = ("embedded",)  # vLLM: a later increment (docs/rl.md)
+logger = logging.getLogger(__name__)
+
+ROLLOUT_ENGINES = ("auto", "vllm", "embedded")
+_LLM_ENGINE = {"auto": "auto", "vllm": "vLLM", "embedded": "embedded"}  # serving's names
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -20,25 +27,28 @@ class RolloutConfig:
     Without `accelerator_type` the engine runs in this process on the CPU. With `accelerator_type` and
     `topology` (e.g. "TPU-V6E", "2x2") it reserves one slice atomically, like a serving replica, and runs
     one engine worker per `chips_per_worker` chips, tensor parallel over them (tensor_parallel_size =
-    chips / chips_per_worker)."""
+    chips / chips_per_worker).
+
+    `engine`: "vllm" (vLLM's engine, one worker per chip), "embedded" (tpuray's engine) or "auto": vLLM
+    where it is installed and can run the model (serving's rule, `LLMConfig.choose_engine_for_model`),
+    else the embedded engine with a logged reason. `resolved_engine` says which runs."""
 
     model_source: str
     accelerator_type: str | None = None
     topology: str | None = None
     chips_per_worker: int = 1
+    engine: Literal["auto", "vllm", "embedded"] = "auto"
     max_model_len: int = 512
     max_num_seqs: int = 16
     dtype: str = "auto"
-    engine: str = "embedded"
     reservation_timeout_s: float = 120.0
     runtime_env: dict[str, Any] | None = None
     llm_config: LLMConfig = field(init=False, repr=False)
+    resolved_engine: str = field(init=False, default="embedded")  # "vllm" | "embedded": what runs
 
     def __post_init__(self) -> None:
         if self.engine not in ROLLOUT_ENGINES:
-            raise ConfigError(
-                f"engine={self.engine!r} is not supported by tpuray.rl yet; valid: {', '.join(ROLLOUT_ENGINES)}"
-            )
+            raise ConfigError(f"engine={self.engine!r} is invalid; valid: {', '.join(ROLLOUT_ENGINES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is invalid; valid: {', '.join(DTYPES)}")
         for name in ("max_model_len", "max_num_seqs", "chips_per_worker"):
@@ -65,9 +75,17 @@ class RolloutConfig:
                 "valid without one: 1"
             )
         # LLMConfig checks the slice (topology, chip share); the workers check that TP divides the heads
+        engine = self.engine
+        if engine == "auto" and self.chips_per_worker != 1:
+            logger.warning(
+                "RolloutConfig engine='auto': the embedded engine runs it, not vLLM (chips_per_worker=%d; "
+                "vLLM runs one worker per chip)",
+                self.chips_per_worker,
+            )
+            engine = "embedded"
         self.llm_config = LLMConfig(
             model_loading_config=ModelLoadingConfig(model_id="rollout", model_source=self.model_source),
-            llm_engine="embedded",
+            llm_engine=_LLM_ENGINE[engine],
             engine_kwargs={
                 "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
@@ -77,6 +95,10 @@ class RolloutConfig:
             log_engine_metrics=False,
             **slice_kwargs,
         )
+        if self.llm_config.engine == "vLLM":  # "auto": vLLM only where it can run this model (logged)
+            path = Path(model_source.resolve(self.model_source))
+            self.llm_config.choose_engine_for_model(json.loads((path / "config.json").read_text()))
+        self.resolved_engine = "vllm" if self.llm_config.engine == "vLLM" else "embedded"
 
     @property
     def on_slice(self) -> bool:

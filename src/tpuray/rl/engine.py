@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
+from tpuray.rl.protocol import GenerationEngine
+from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
 from tpuray.rl.worker import RolloutWorker, RunnerWeights
 from tpuray.serve.llm import model_source
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,16 @@ class _RolloutEmbeddedEngine(EmbeddedEngine):
 
 class RolloutEngine:
     """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over the embedded engine
-    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock)."""
+    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock).
+    Where `config.resolved_engine` is "vllm", `RolloutEngine(config)` is a `VLLMRolloutEngine`
+    (tpuray.rl.vllm_rollout): the same API over vLLM."""
+
+    def __new__(cls, config: RolloutConfig) -> RolloutEngine:
+        if cls is RolloutEngine and getattr(config, "resolved_engine", None) == "vllm":
+            from tpuray.rl.vllm_rollout import VLLMRolloutEngine
+
+            return super().__new__(VLLMRolloutEngine)
+        return super().__new__(cls)
 
     def __init__(self, config: RolloutConfig) -> None:
         if not isinstance(config, RolloutConfig):
@@ -88,16 +99,17 @@ class RolloutEngine:
         self.version = 0  # weight updates committed
         self._local: RunnerWeights | None = None
         try:
-            self._engine = _RolloutEmbeddedEngine(
-                config.llm_config,
-                use_actors=config.on_slice,
-                reservation_timeout_s=config.reservation_timeout_s,
-            )
+            self._engine: GenerationEngine = self._start_engine(config)
         except BaseException:
             self._loop.close()
             raise
         if self._engine.runner is not None:
             self._local = RunnerWeights(self._engine.runner, path, rank=0, world_size=1)
+
+    def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
+        return _RolloutEmbeddedEngine(
+            config.llm_config, use_actors=config.on_slice, reservation_timeout_s=config.reservation_timeout_s
+        )
 
     # -- info ---------------------------------------------------------------------------------------------
     @property
@@ -211,16 +223,18 @@ class RolloutEngine:
         engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice the update
         goes through Ray's object store (put once; every worker pulls it and keeps only its own
         tensor-parallel shard). A `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives)
-        sends each rank only its part; its tensor_parallel_size must be the engine's."""
+        sends each rank only its part; its tensor_parallel_size must be the engine's. A `TrainerUpdate`
+        (`tpuray.rl.sync`: sent by the ranks of a `tpuray.train` run) too: each rank assembles its part
+        from the pieces every trainer rank sent it."""
         import ray
 
         self._check_open("update_weights")
         start = time.perf_counter()
-        if isinstance(update, ShardedUpdate):
+        if isinstance(update, ShardedUpdate | TrainerUpdate):
             if update.tensor_parallel_size != self.tensor_parallel_size:
                 raise WeightMismatchError(
-                    f"a ShardedUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine "
-                    f"runs tensor_parallel_size={self.tensor_parallel_size}"
+                    f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
+                    f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
                 )
         elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
@@ -229,6 +243,8 @@ class RolloutEngine:
                 try:
                     if isinstance(update, ShardedUpdate):
                         self._local.stage_shards(update.refs[0])
+                    elif isinstance(update, TrainerUpdate):
+                        self._local.stage_pieces(update.refs[0])
                     else:
                         self._local.stage(update)
                     written = self._local.commit()
@@ -251,6 +267,8 @@ class RolloutEngine:
         try:
             if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
                 ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
+            elif isinstance(update, TrainerUpdate):  # rank r pulls the pieces addressed to it
+                ray.get(group.call_each("stage_pieces", [(list(refs),) for refs in update.refs]))
             else:
                 ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
                 ray.get(group.call("stage_weights", ref))

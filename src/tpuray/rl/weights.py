@@ -1,6 +1,6 @@
 """Hugging Face parameter names <-> the embedded engine's fused, tensor-parallel tensors, in one place.
 
-The embedded engine (`tpuray.serve.llm.engine.model.ShardedLlama`) holds each layer's q/k/v as one fused
+The embedded engine (`tpuray.serve.llm.engine.embedded.model.ShardedLlama`) holds each layer's q/k/v as one fused
 `qkv` tensor and gate/up as one `gate_up`, split over the tensor-parallel ranks Megatron-style:
 column-parallel tensors (q, k, v, gate, up and their biases) take this rank's chunk of dim 0, row-parallel
 ones (o_proj, down_proj) this rank's chunk of dim 1; embeddings, norms and lm_head are replicated. This
@@ -114,7 +114,7 @@ def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         if type(t).__name__ == "DTensor":
             raise WeightMismatchError(
                 f"weight update: {name!r} is a DTensor (an FSDP2 / tensor-parallel trainer's shard); send "
-                "full tensors (DTensor.full_tensor() on the trainer) - sharded sync is not implemented yet "
+                "full tensors (DTensor.full_tensor()), or send each rank's shard with tpuray.rl.SyncTarget.send "
                 "(docs/rl.md)"
             )
         if not t.is_floating_point():
@@ -125,41 +125,69 @@ def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def shard_state(
-    state: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank: int, world_size: int
-) -> dict[str, torch.Tensor]:
-    """This rank's tensors (on the CPU, in the update's dtype), keyed like `engine_tensors`; `state` must
-    have passed `check_state`."""
+COLUMN_SPLIT = tuple(f"self_attn.{x}.{k}" for x in COLUMN_PARALLEL for k in ("weight", "bias")) + (
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+)
+ROW_SPLIT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel: split output features
-        return t.chunk(world_size, dim=0)[rank]
 
-    def cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel: split input features
-        return t.chunk(world_size, dim=1)[rank]
+def split_dim(name: str) -> int | None:
+    """The dim an HF tensor is split on over tensor-parallel ranks: 0 (column-parallel: output
+    features), 1 (row-parallel: input features) or None (replicated)."""
+    if name.endswith(COLUMN_SPLIT):
+        return 0
+    if name.endswith(ROW_SPLIT):
+        return 1
+    return None
+
+
+def part_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[lo, hi) of rank's chunk of `size` items, as `torch.chunk(world_size)[rank]` cuts it."""
+    step = -(-size // world_size)
+    return min(rank * step, size), min((rank + 1) * step, size)
+
+
+def cut(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's part of the full HF tensor `name` (a view; the whole tensor where it is replicated)."""
+    dim = split_dim(name)
+    if dim is None or world_size == 1:
+        return t
+    lo, hi = part_range(t.shape[dim], rank, world_size)
+    return t.narrow(dim, lo, hi - lo)
+
+
+def fuse(parts: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """One rank's HF-named parts (already cut for it) as the engine's fused tensors, keyed like
+    `engine_tensors` (q/k/v -> qkv, gate/up -> gate_up)."""
 
     def get(name: str) -> torch.Tensor:
-        return state[name].detach()
+        return parts[name].detach()
 
     shards = {
         "embed": get("model.embed_tokens.weight"),
         "norm": get("model.norm.weight"),
-        "lm_head": get("lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"),
+        "lm_head": get("lm_head.weight" if "lm_head.weight" in parts else "model.embed_tokens.weight"),
     }
     for i in range(config["num_hidden_layers"]):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         shards[q + "in_norm"] = get(p + "input_layernorm.weight")
         shards[q + "post_norm"] = get(p + "post_attention_layernorm.weight")
-        shards[q + "qkv"] = torch.cat([rows(get(p + f"self_attn.{x}.weight")) for x in COLUMN_PARALLEL])
-        shards[q + "o"] = cols(get(p + "self_attn.o_proj.weight"))
-        shards[q + "gate_up"] = torch.cat(
-            [rows(get(p + "mlp.gate_proj.weight")), rows(get(p + "mlp.up_proj.weight"))]
-        )
-        shards[q + "down"] = cols(get(p + "mlp.down_proj.weight"))
+        shards[q + "qkv"] = torch.cat([get(p + f"self_attn.{x}.weight") for x in COLUMN_PARALLEL])
+        shards[q + "o"] = get(p + "self_attn.o_proj.weight")
+        shards[q + "gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        shards[q + "down"] = get(p + "mlp.down_proj.weight")
         if _has_attention_bias(config):
-            shards[q + "qkv_bias"] = torch.cat(
-                [rows(get(p + f"self_attn.{x}.bias")) for x in COLUMN_PARALLEL]
-            )
+            shards[q + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}.bias") for x in COLUMN_PARALLEL])
     return shards
+
+
+def shard_state(
+    state: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors (on the CPU, in the update's dtype), keyed like `engine_tensors`; `state` must
+    have passed `check_state`."""
+    return fuse({name: cut(name, t, rank, world_size) for name, t in state.items()}, config)
 
 
 def engine_tensors(model: Any) -> dict[str, torch.Tensor]:

@@ -25,8 +25,8 @@ from tpuray.rl.weights import (
     shapes_of,
     shard_state,
 )
-from tpuray.serve.llm.engine.runner import ModelRunner
-from tpuray.serve.llm.engine.worker import EngineWorker
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 
 
 def resolve_update(update: Any) -> dict[str, torch.Tensor]:
@@ -80,6 +80,15 @@ class RunnerWeights:
         check_shards(shards, self.runner.model if self.host_copy is None else _Holder(self.host_copy))
         self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
+
+    def stage_pieces(self, refs: Any) -> int:
+        """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
+        `TrainerUpdate`'s refs for this rank); checked like `stage_shards`."""
+        from tpuray.rl.sync import assemble, resolve_pieces
+
+        self.staged = None
+        shards = assemble(resolve_pieces(refs), self.config, self.rank, self.world_size)
+        return self.stage_shards(shards)
 
     def commit(self) -> int:
         """Copy the staged shards into the model (or its host copy while asleep); returns bytes written."""
@@ -176,6 +185,9 @@ class RolloutWorker(EngineWorker):
 
     def stage_shards(self, shards: Any) -> int:
         return self._w().stage_shards(shards)
+
+    def stage_pieces(self, refs: Any) -> int:
+        return self._w().stage_pieces(refs)
 
     def commit_weights(self) -> int:
         return self._w().commit()

@@ -1,6 +1,6 @@
 """The actor side of a worker group: `SliceWorker`, the base of every per-chip actor tpuray starts.
 
-Training (`tpuray.train`) and serving (`tpuray.serve.llm.engine`) subclass it and add their own methods;
+Training (`tpuray.train`) and serving (`tpuray.serve.llm.engine.embedded`) subclass it and add their own methods;
 `SliceWorkerGroup` wraps the subclass with `ray.remote`. Placement reporting, the process env, the
 process group and its teardown live here once.
 """

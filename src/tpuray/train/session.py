@@ -185,9 +185,6 @@ def start_session(
     return _SESSION
 
 
-_start = start_session  # the name tests/runtime/_dist_checks.py uses
-
-
 def current_session() -> WorkerSession | None:
     return _SESSION
 

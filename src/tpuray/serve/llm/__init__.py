@@ -17,7 +17,7 @@ _LAZY = {
     "build_llm_deployment": "tpuray.serve.llm.app",
     "LLMServer": "tpuray.serve.llm.app",
     "LLMRouter": "tpuray.serve.llm.app",
-    "minilm_config": "tpuray.serve.llm.embeddings",
+    "minilm_config": "tpuray.serve.llm.embedding_backend",
 }
 
 __all__ = ["LLMConfig", "LLMServingArgs", "ModelLoadingConfig", *_LAZY]

@@ -28,6 +28,7 @@ from ray.serve import Deployment
 
 from tpuray.serve.llm.config import LLMConfig, LLMServingArgs
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
+from tpuray.serve.llm.openai_schema import OpenAIError, error_from_validation
 from tpuray.serve.llm.openapi import (
     METRICS_DOCS,
     Health,
@@ -37,7 +38,6 @@ from tpuray.serve.llm.openapi import (
     openapi_document,
     post_docs,
 )
-from tpuray.serve.llm.protocol import OpenAIError, error_from_validation
 from tpuray.serve.llm.replica import LLMServer
 from tpuray.serve.llm.request_checks import read_json
 from tpuray.validation import ConfigError
@@ -340,7 +340,7 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     for config in args.llm_configs:
         config.check_model_source()
     model_ids = [c.model_id for c in args.llm_configs]
-    if args.one_deployment:  # one deployment, named like the model's LLMServer, with the model's options
+    if args.single_deployment:  # one deployment, named like the model's LLMServer, with the model's options
         (config,) = args.llm_configs
         ingress = _deployment(LLMRouter).options(**_server_options(config))
         return ingress.bind([config], model_ids, args.api_key)

@@ -1,9 +1,9 @@
 """The serving backend interface: what `LLMServer` (replica.py) needs from the backend of one model.
 
 Backends, one module each:
-- `VLLMServer` (vllm_server.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
-- `ModelServer` (server.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
-- `EmbeddingModel` (embeddings.py): /v1/embeddings (task "embed").
+- `VLLMBackend` (vllm_backend.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
+- `EmbeddedBackend` (embedded_backend.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
+- `EmbeddingBackend` (embedding_backend.py): /v1/embeddings (task "embed").
 
 A backend takes requests as JSON dicts parsed by its own protocol and raises OpenAIError for a bad
 request. `start()` proves its engine (a 1-token warm-up generation, or one embedding); on failure it
@@ -59,7 +59,7 @@ class EngineBackend:
         return int(self.engine.max_model_len)
 
     def card(self) -> dict[str, Any]:
-        from tpuray.serve.llm.protocol import model_card
+        from tpuray.serve.llm.openai_schema import model_card
 
         return model_card(self.model_id, self.created, self.max_model_len)
 

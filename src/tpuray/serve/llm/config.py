@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpuray.constants import API_KEY_ENV
+from tpuray.serve.llm.engine.embedded.fields import EMBEDDED_ENGINE_KWARGS, IGNORED_ENGINE_KWARGS
 from tpuray.validation import ConfigError, check_choice, check_positive_int
 
 if TYPE_CHECKING:
@@ -24,28 +25,6 @@ logger = logging.getLogger(__name__)
 ENGINES = ("auto", "embedded", "vLLM")
 TASKS = ("generate", "embed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# engine_kwargs the embedded engine uses; anything else is passed to vLLM when vLLM runs the model.
-EMBEDDED_ENGINE_KWARGS = {
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "max_model_len",
-    "max_num_seqs",
-    "dtype",
-    "seed",
-    "task",
-}
-# vLLM options that are harmless to ignore in the embedded engine (a note is logged).
-IGNORED_ENGINE_KWARGS = {
-    "enable_expert_parallel": "the embedded engine serves dense models; there are no experts to shard",
-    "gpu_memory_utilization": "the embedded engine sizes its KV cache from max_num_seqs x max_model_len",
-    "enforce_eager": "the embedded engine always runs eagerly",
-    "trust_remote_code": "only local Llama-style checkpoints are loaded",
-    "enable_prefix_caching": "prefix caching is not implemented in the embedded engine",
-    "enable_chunked_prefill": "prefill runs whole prompts per step",
-    "max_num_batched_tokens": "batches are bounded by max_num_seqs",
-    "distributed_executor_backend": "the embedded engine always uses Ray actors, one per chip",
-    "tokenizer_mode": "the model directory's tokenizer is used",
-}
 
 
 @dataclass
@@ -124,7 +103,7 @@ class LLMConfig:
         torch (vllm_install_problem) is an error for "vLLM" and "auto" alike, naming the fix."""
         if self.task == "embed" or self.llm_engine == "embedded":
             return "embedded"
-        from tpuray.serve.llm.engine import vllm_available, vllm_install_problem
+        from tpuray.serve.llm.engine.vllm import vllm_available, vllm_install_problem
 
         if self.llm_engine == "auto" and not vllm_available():
             return "embedded"
@@ -278,18 +257,18 @@ class LLMConfig:
             )
         self.choose_engine_for_model(cfg)
         if self.engine == "vLLM":
-            from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
+            from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 
             split_engine_kwargs(self)  # ConfigError names an engine_kwargs key vLLM does not know
 
     def choose_engine_for_model(self, model_config: dict[str, Any]) -> None:
-        """vLLM serves the model only where its attention backend can run it (engine/vllm_support.py).
+        """vLLM serves the model only where its attention backend can run it (engine/vllm/support.py).
         Under llm_engine "auto" a model it cannot run goes to the embedded engine, with a warning saying
         why; with llm_engine "vLLM" that is a ConfigError naming the model's property and what vLLM
         supports. `model_config`: the model's config.json."""
         if self.engine != "vLLM" or self.task != "generate":
             return
-        from tpuray.serve.llm.engine.vllm_support import model_problem
+        from tpuray.serve.llm.engine.vllm.support import model_problem
 
         problem = model_problem(model_config)
         if problem is None:
@@ -343,7 +322,8 @@ class LLMServingArgs:
     `single_deployment`: None (default) serves a one-model app as ONE deployment, the OpenAI routes and
     the engine in the same replica (one Serve hop fewer per request); several models, or an
     `ingress_deployment_config`, get an `LLMRouter` ingress in front of one `LLMServer` deployment per
-    model (as Ray Serve LLM does). True or False forces the choice.
+    model (as Ray Serve LLM does). True or False forces the choice; None is resolved to one of them at
+    construction.
     """
 
     llm_configs: list[LLMConfig]  # dicts and YAML paths are converted
@@ -371,10 +351,5 @@ class LLMServingArgs:
                 f"{len(self.llm_configs)} model(s) and ingress_deployment_config="
                 f"{self.ingress_deployment_config!r}"
             )
-
-    @property
-    def one_deployment(self) -> bool:
-        """True when the app runs as one deployment (ingress and engine in the same replica)."""
-        if self.single_deployment is not None:
-            return self.single_deployment
-        return len(self.llm_configs) == 1 and not self.ingress_deployment_config
+        if self.single_deployment is None:  # ingress and engine in the same replica when nothing asks apart
+            self.single_deployment = len(self.llm_configs) == 1 and not self.ingress_deployment_config

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from tpuray.constants import DEADLINE_MARGIN_S
-from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.openai_schema import OpenAIError
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, draining_nodes
 
 logger = logging.getLogger(__name__)

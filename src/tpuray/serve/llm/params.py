@@ -1,4 +1,4 @@
-"""An OpenAI request (protocol.py, already type-checked) -> the embedded engine's SamplingParams.
+"""An OpenAI request (openai_schema.py, already type-checked) -> the embedded engine's SamplingParams.
 
 Checks what needs the model: the prompt fits max_model_len, logit_bias, stop_token_ids and
 allowed_token_ids name tokens of its vocabulary, min_tokens <= max_tokens, a response_format schema
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.serve.llm.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 
 def _token_ids(engine: Any, ids: list[int], param: str) -> list[int]:
@@ -40,7 +40,7 @@ def _grammar(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> Any
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    from tpuray.serve.llm.engine.grammar import GrammarError
+    from tpuray.serve.llm.engine.embedded.grammar import GrammarError
 
     schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
     if fmt.type == "json_schema" and not schema:

@@ -14,27 +14,27 @@ from typing import Any
 
 from tpuray.serve.llm.backend import Backend
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.protocol import OpenAIError
+from tpuray.serve.llm.openai_schema import OpenAIError
 
 
 def create_backend(config: LLMConfig) -> Backend:
     """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
     if config.task == "embed":
-        from tpuray.serve.llm.embeddings import EmbeddingModel
+        from tpuray.serve.llm.embedding_backend import EmbeddingBackend
 
-        return EmbeddingModel(config)
+        return EmbeddingBackend(config)
     if config.engine == "vLLM":
         from tpuray.serve.llm import model_source
 
         # build_openai_app decided this already; a config started directly is decided here
         config.choose_engine_for_model(model_source.read_config(config.model_source))
     if config.engine == "vLLM":
-        from tpuray.serve.llm.vllm_server import VLLMServer
+        from tpuray.serve.llm.vllm_backend import VLLMBackend
 
-        return VLLMServer(config)
-    from tpuray.serve.llm.server import ModelServer
+        return VLLMBackend(config)
+    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
 
-    return ModelServer(config)
+    return EmbeddedBackend(config)
 
 
 class LLMServer:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from tpuray.serve.llm.engine import grammar as grammar_lib
-from tpuray.serve.llm.engine.logits import (
+from tpuray.serve.llm.engine.embedded import grammar as grammar_lib
+from tpuray.serve.llm.engine.embedded.logits import (
     TokenLogprobs,
     apply_bitmask,
     apply_logit_bias,
@@ -27,7 +27,7 @@ from tpuray.serve.llm.engine.logits import (
     apply_token_masks,
     token_logprobs,
 )
-from tpuray.serve.llm.engine.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
 
 
 @dataclass

@@ -18,11 +18,11 @@ from typing import Any
 
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.prompts import PromptEncoder
-from tpuray.serve.llm.engine.runner import ModelRunner, StepResult
-from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.serve.llm.engine.scheduler import Scheduler, SeqOutput, Sequence
-from tpuray.serve.llm.engine.worker import EngineWorker
+from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner, StepResult
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, SeqOutput, Sequence
+from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 from tpuray.slices import start_group
 from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 
@@ -206,7 +206,7 @@ class EmbeddedEngine(PromptEncoder):
         """The compiled grammar of a JSON schema (None: any JSON object) for SamplingParams.grammar;
         grammar.GrammarError when it cannot compile."""
         if self.scheduler.grammars is None:
-            from tpuray.serve.llm.engine.grammar import Grammars
+            from tpuray.serve.llm.engine.embedded.grammar import Grammars
 
             self.scheduler.grammars = Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_ids)
         return self.scheduler.grammars.compile(schema)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpuray.serve.llm.engine.kv_cache import KVCache
+from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -147,10 +147,21 @@ class ShardedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, kv_heads, L, D] -> [B, heads, L, D] (grouped-query attention)."""
-        groups = self.local_heads // self.local_kv_heads
-        return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Grouped-query attention without copying K/V per query head: q [B, H, T, D], k/v [B, KV, L, D],
+        mask [b, 1, T, L] (b 1 or B) -> [B, H, T, D]. The G = H / KV query heads that share a KV head are
+        stacked along the rows ([B, KV, G*T, D]), which is the same attention as repeating K/V G times
+        (head h reads KV head h // G) but reads each K/V once."""
+        B, H, T, D = q.shape
+        groups = H // k.shape[1]
+        if groups == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask.shape[-2] > 1:  # row g*T + t of a group is token t's row
+            mask = mask.repeat(1, 1, groups, 1)
+        out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * T, D), k, v, attn_mask=mask)
+        return out.reshape(B, H, T, D)
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The decoder stack over hidden states [B, T, hidden]; `attend(layer, q, k, v)` takes this
@@ -203,7 +214,7 @@ class ShardedLlama:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
-            return F.scaled_dot_product_attention(q, self._expand_kv(k), self._expand_kv(v), attn_mask=mask)
+            return self._attention(q, k, v, mask)
 
         h = self._layers(self.embed[tokens][None], cos, sin, attend)[0]  # [T, hidden]
         return self._logits(h if all_positions else h[last_index])
@@ -227,9 +238,7 @@ class ShardedLlama:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(i, slots, positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(i, slots, context_len)
-            return F.scaled_dot_product_attention(
-                q, self._expand_kv(keys), self._expand_kv(values), attn_mask=mask
-            )
+            return self._attention(q, keys, values, mask)
 
         h = self._layers(self.embed[tokens][:, None], cos, sin, attend)
         return self._logits(h[:, 0])

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpuray.serve.llm.engine.logits import TokenLogprobs, token_logprobs
-from tpuray.serve.llm.engine.model import ShardedLlama
-from tpuray.serve.llm.engine.step_plan import (
+from tpuray.serve.llm.engine.embedded.logits import TokenLogprobs, token_logprobs
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama
+from tpuray.serve.llm.engine.embedded.step_plan import (
     Buckets,
     DecodeBatch,
     PrefillPack,
@@ -91,11 +91,12 @@ class ModelRunner:
             self._compile(compile_backend or ("tpu" if self.device.type == "tpu" else "inductor"))
 
     # -- programs -----------------------------------------------------------------------------------------
-    def _prefill_program(self, tokens, positions, segments, slots, last_index):
-        logits = self.model.prefill(tokens, positions, segments, slots, last_index, self.cache)
+    def _prefill_program(self, packed, num_prompts: int):
+        logits = self.model.prefill(*PrefillPack.unpack(packed, num_prompts), self.cache)
         return logits, logits.argmax(dim=-1)
 
-    def _decode_program(self, tokens, positions, slots, context_len: int):
+    def _decode_program(self, packed, context_len: int):
+        tokens, positions, slots = packed
         logits = self.model.decode(tokens, positions, slots, self.cache, context_len)
         return logits, logits.argmax(dim=-1)
 
@@ -134,14 +135,12 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------------------
     def _run_prefill(self, p: PrefillPack) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, greedy ids) of a pack; one tensor per argument, so warm-up and serving pass the same
-        (unaliased) inputs and share their compiled programs."""
-        args = (p.tokens, p.positions, p.segments, p.slots, p.last_index)
-        return self._prefill(*(t.to(self.device) for t in args))
+        """(logits, greedy ids) of a pack: its inputs go to the device in one copy (step_plan.py), the
+        same way at warm-up and serving, so both share their compiled programs."""
+        return self._prefill(p.packed.to(self.device), p.num_prompts)
 
     def _run_decode(self, d: DecodeBatch, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        return self._decode(d.tokens.to(dev), d.positions.to(dev), d.slots.to(dev), context_len)
+        return self._decode(d.packed.to(self.device), context_len)
 
     def _collect(self, rows, out, greedy, logits, ids) -> None:
         n = len(rows)
@@ -177,16 +176,8 @@ class ModelRunner:
         compiled programs return only last-token logits)."""
         slot, ids, start, n = row
         p = pack_prefills([row], [0], Buckets.exact(), self.cache.trash_slot)[0]
-        dev = self.device
-        logits = self.model.prefill(
-            p.tokens.to(dev),
-            p.positions.to(dev),
-            p.segments.to(dev),
-            p.slots.to(dev),
-            p.last_index.to(dev),
-            self.cache,
-            all_positions=True,
-        )
+        inputs = PrefillPack.unpack(p.packed.to(self.device), p.num_prompts)
+        logits = self.model.prefill(*inputs, self.cache, all_positions=True)
         if self.rank != 0:
             return None
         full = logits.float().cpu()

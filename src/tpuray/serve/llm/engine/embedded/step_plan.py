@@ -10,6 +10,9 @@ becomes at most a few programs of known shapes:
 * decode: one token per running sequence, the batch padded to `B` (from `Buckets.batch`) and attention
   over the first `L` cache positions (from `Buckets.context`).
 
+Each pack and batch keeps its integer inputs in one tensor (`packed`), so that a step moves them to the
+device in one host-to-device copy (on a TPU each copy of a few integers costs ~0.7 ms: bench_real_tpu.py).
+
 Padding rows are harmless by construction: they write to the KV cache's trash slot and attend only to
 padding. With `Buckets.exact()` (the CPU default) every size is the exact one: the same code, no padding.
 """
@@ -88,21 +91,61 @@ class Buckets:
 
 @dataclass
 class PrefillPack:
+    """A pack's inputs in one [5, T] tensor: rows tokens, positions, segments (index into `rows`; padding:
+    -1), slots (each token's cache slot; padding: the trash slot) and, in its first P entries, each
+    prompt's last token in the pack (padding: 0)."""
+
     rows: list[int]  # the step's batch indices, in pack order
-    tokens: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    segments: torch.Tensor  # [T]: index into rows; padding: -1
-    slots: torch.Tensor  # [T]: cache slot of each token; padding: the trash slot
-    last_index: torch.Tensor  # [P]: each prompt's last token in the pack; padding: 0
+    packed: torch.Tensor  # [5, T]
+    num_prompts: int  # P
+
+    @staticmethod
+    def unpack(
+        packed: torch.Tensor, num_prompts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens, positions, segments, slots [T] and last_index [P] (views of `packed`)."""
+        return packed[0], packed[1], packed[2], packed[3], packed[4, :num_prompts]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[1]
+
+    @property
+    def segments(self) -> torch.Tensor:
+        return self.packed[2]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.packed[3]
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        return self.packed[4, : self.num_prompts]
 
 
 @dataclass
 class DecodeBatch:
+    """A batch's inputs in one [3, B] tensor: rows tokens, positions and slots (padding: the trash slot)."""
+
     rows: list[int]
-    tokens: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B]
-    slots: torch.Tensor  # [B]; padding: the trash slot
+    packed: torch.Tensor  # [3, B]
     context_len: int  # L: cache positions read
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[1]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.packed[2]
 
 
 def pack_prefills(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> list[PrefillPack]:
@@ -129,11 +172,10 @@ def _pack(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> Pr
     total = sum(len(batch[i][1]) for i in rows)
     T = Buckets.pick(total, buckets.tokens)
     P = buckets.prefill_seqs if buckets.padded else len(rows)
-    tokens = torch.zeros(T, dtype=torch.long)
-    positions = torch.zeros(T, dtype=torch.long)
-    segments = torch.full((T,), -1, dtype=torch.long)
-    slots = torch.full((T,), trash_slot, dtype=torch.long)
-    last = torch.zeros(P, dtype=torch.long)
+    packed = torch.zeros(5, T, dtype=torch.long)
+    tokens, positions, segments, slots, last = PrefillPack.unpack(packed, P)
+    segments.fill_(-1)
+    slots.fill_(trash_slot)
     at = 0
     for seg, i in enumerate(rows):
         slot, ids, start, _ = batch[i]
@@ -144,7 +186,7 @@ def _pack(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> Pr
         slots[at : at + n] = slot
         last[seg] = at + n - 1
         at += n
-    return PrefillPack(rows, tokens, positions, segments, slots, last)
+    return PrefillPack(rows, packed, P)
 
 
 def decode_batches(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> list[DecodeBatch]:
@@ -154,12 +196,12 @@ def decode_batches(batch: Step, rows: list[int], buckets: Buckets, trash_slot: i
     for lo in range(0, len(rows), limit):
         chunk = rows[lo : lo + limit]
         B = Buckets.pick(len(chunk), buckets.batch)
-        tokens = torch.zeros(B, dtype=torch.long)
-        positions = torch.zeros(B, dtype=torch.long)
-        slots = torch.full((B,), trash_slot, dtype=torch.long)
+        packed = torch.zeros(3, B, dtype=torch.long)
+        tokens, positions, slots = packed
+        slots.fill_(trash_slot)
         for j, i in enumerate(chunk):
             slot, ids, start, _ = batch[i]
             tokens[j], positions[j], slots[j] = ids[0], start, slot
         context = Buckets.pick(int(positions.max()) + 1, buckets.context)
-        out.append(DecodeBatch(chunk, tokens, positions, slots, context))
+        out.append(DecodeBatch(chunk, packed, context))
     return out

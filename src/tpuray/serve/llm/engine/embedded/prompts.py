@@ -8,7 +8,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tpuray.serve.llm.protocol import ChatMessage
+    from tpuray.serve.llm.openai_schema import ChatMessage
 
 
 def template_messages(messages: Iterable[ChatMessage]) -> list[dict[str, str]]:

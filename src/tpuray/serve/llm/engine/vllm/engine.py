@@ -5,10 +5,10 @@ bundle `{"TPU": 1, "CPU": 1}` per chip, and hands that placement group to vLLM's
 (`parallel_config.placement_group`, as Ray Serve LLM does with its own), so tensor_parallel_size spans
 the slice's chips: one vLLM worker per chip, TPU_VISIBLE_CHIPS set by Ray. On a real slice vLLM's TPU
 platform (vllm-tpu / vLLM-TorchTPU) computes; on an EMULATED slice tpuray's vLLM platform plugin
-(vllm_plugin.py) runs vLLM's CPU backend in those per-chip worker processes, and describe() and the logs
+(plugin.py) runs vLLM's CPU backend in those per-chip worker processes, and describe() and the logs
 say so. Without an accelerator_config vLLM runs on this machine's CPU with its own executor.
 
-The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_server).
+The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from tpuray.constants import VLLM_PLATFORM_ENV
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.engine.vllm_args import split_engine_kwargs
-from tpuray.serve.llm.engine.vllm_plugin import EMULATED_TPU
+from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
+from tpuray.serve.llm.engine.vllm.plugin import EMULATED_TPU
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """What one sequence samples with. Requests are validated in protocol.py; this only guards ranges."""
+    """What one sequence samples with. Requests are validated in openai_schema.py; this only guards ranges."""
 
     max_tokens: int = 16  # 0: prefill only (completions' echo with max_tokens 0)
     temperature: float = 1.0

@@ -8,8 +8,8 @@ import logging
 import os
 
 from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV
-from tpuray.serve.llm.engine.runner import ModelRunner, StepResult
-from tpuray.serve.llm.engine.step_plan import Step
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner, StepResult
+from tpuray.serve.llm.engine.embedded.step_plan import Step
 from tpuray.slices.worker import SliceWorker
 
 logger = logging.getLogger(__name__)

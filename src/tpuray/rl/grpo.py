@@ -1,0 +1,327 @@
+"""GRPO on a tiny local model with a verifiable reward: reply in exactly N words — the loop behind
+`examples/rl_grpo.py` and `tpuray demo --rl` (a toy that shows the substrate at work, not an RL
+algorithm library).
+
+Usage (every option): `python examples/rl_grpo.py --help`.
+
+Each iteration: the rollout engine (`tpuray.rl.RolloutEngine`) samples a group of replies per prompt with
+their logprobs; the reward is 1 for exactly N words, less the further the count is from N; GRPO's
+advantage is the reward's z-score within its group; the trainer (plain PyTorch on this process's CPU:
+the same Hugging Face model the engine serves) takes one clipped policy-gradient step; the new weights
+go to the engine with `update_weights` (checked, then put once in Ray's object store and cut into each
+tensor-parallel rank's shard on a slice). The first line of each iteration's output shows the mean
+reward rising; `logp_gap` is the largest gap between the engine's and the trainer's logprobs of the same
+tokens (the weights the engine samples with are the trainer's).
+
+The model is built locally by `tpuray.models.build_tiny_causal_lm` (random weights, no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
+
+
+def reward(text: str, words: int) -> float:
+    """1.0 for exactly `words` words, falling linearly to 0 at 0 or 2 x words."""
+    return max(0.0, 1.0 - abs(len(text.split()) - words) / words)
+
+
+def group_advantages(rewards: list[float], group: int) -> list[float]:
+    """GRPO: each reward's z-score within its group of `group` samples of one prompt."""
+    out = []
+    for g in range(0, len(rewards), group):
+        rs = rewards[g : g + group]
+        mean, std = statistics.fmean(rs), statistics.pstdev(rs)
+        out += [(r - mean) / (std + 1e-4) for r in rs]
+    return out
+
+
+def policy_step(model, optimizer, rollouts, advantages, clip: float = 0.2) -> tuple[float, float]:
+    """One clipped-surrogate step over the batch (sequence-mean of token terms); returns (loss, the
+    largest |trainer logprob - engine logprob| of the sampled tokens before the step)."""
+    import torch
+
+    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    logits = model(ids.to(next(model.parameters()).device)).logits.float().cpu()
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    losses, gap = [], 0.0
+    for i, r in enumerate(rollouts):
+        if not r.token_ids:
+            continue
+        start = len(r.prompt_token_ids) - 1
+        logp = logp_all[i, start : start + len(r.token_ids)]
+        old = torch.tensor(r.logprobs)
+        gap = max(gap, float((logp.detach() - old).abs().max()))
+        ratio = torch.exp(logp - old)
+        adv = torch.tensor(advantages[i])
+        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        losses.append(-surrogate.mean())
+    loss = torch.stack(losses).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return float(loss.detach()), gap
+
+
+@dataclass
+class Iteration:
+    """One GRPO iteration: its mean reward and where its time went (seconds)."""
+
+    mean_reward: float
+    generate_s: float
+    reward_s: float
+    train_s: float
+    sync_s: float
+    sync_bytes: int
+    total_s: float = 0.0  # wall time of the iteration (the phases may overlap)
+
+
+def run(args: argparse.Namespace) -> list[Iteration]:
+    """The GRPO loop; returns every iteration's mean reward and time split."""
+    with tempfile.TemporaryDirectory(prefix="rl-grpo-") as workdir:  # the model, removed afterwards
+        return _run(args, Path(workdir))
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tpuray.models import build_tiny_causal_lm
+    from tpuray.rl import RolloutConfig, RolloutEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+
+    torch.manual_seed(args.seed)
+    path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
+    if args.trainer == "tpuray":
+        return run_on_trainer(args, path)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    config = RolloutConfig(
+        path,
+        accelerator_type="TPU-V6E" if args.slice else None,
+        topology="2x2" if args.slice else None,
+        chips_per_worker=2 if args.slice else 1,
+        max_model_len=64,
+        max_num_seqs=len(PROMPTS) * args.group,
+    )
+    history: list[Iteration] = []
+    with RolloutEngine(config) as engine:
+        print(
+            f"rollout engine: tensor_parallel_size={engine.tensor_parallel_size} on {engine.describe()['slice']}"
+        )
+        prompts = [p for p in PROMPTS for _ in range(args.group)]
+        for it in range(args.iterations):
+            t0 = time.perf_counter()
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + it)
+            rollouts = engine.generate(prompts, params)
+            t1 = time.perf_counter()
+            rewards = [reward(r.text, args.words) for r in rollouts]
+            advantages = group_advantages(rewards, args.group)
+            t2 = time.perf_counter()
+            if args.colocate:  # hand the chips' memory to the trainer for its step
+                engine.sleep()
+            loss, gap = policy_step(policy, optimizer, rollouts, advantages)
+            for _ in range(args.epochs - 1):  # more clipped steps on the same rollouts (PPO-style)
+                loss, _ = policy_step(policy, optimizer, rollouts, advantages)
+            t3 = time.perf_counter()
+            stats = engine.update_weights(policy.state_dict())  # asleep: into the host copy
+            if args.colocate:
+                engine.wake_up()
+            t4 = time.perf_counter()
+            history.append(
+                Iteration(
+                    statistics.fmean(rewards),
+                    t1 - t0,
+                    t2 - t1,
+                    t3 - t2,
+                    t4 - t3,
+                    stats.bytes_written,
+                    t4 - t0,
+                )
+            )
+            print(
+                f"iter {it:3d}  mean_reward {history[-1].mean_reward:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
+                f"generate {t1 - t0:.2f}s reward {t2 - t1:.3f}s train {t3 - t2:.2f}s "
+                f"sync {t4 - t3:.2f}s ({stats.bytes_written / 1e6:.1f} MB)",
+                flush=True,
+            )
+        print("sample:", repr(rollouts[0].text))
+    return history
+
+
+def grpo_train_loop(config: dict) -> None:  # runs on tpuray.train workers (imported there by name)
+    """The trainer of `--trainer tpuray`: every tpuray.train rank holds an FSDP2 shard of the policy,
+    takes each batch of rollouts, steps and sends its shard of the new weights (tpuray.rl.RLRun)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import tpuray.train.torch as tt
+    from tpuray import train
+
+    rl, device = config["rl"], tt.get_device()
+    torch.manual_seed(config["seed"])
+    policy = AutoModelForCausalLM.from_pretrained(config["path"], dtype=torch.float32).to(device)
+    fully_shard(policy, mesh=init_device_mesh(device.type, (train.get_context().get_world_size(),)))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config["lr"], weight_decay=0.0)
+    for k in range(rl.iterations):
+        rollouts, advantages = rl.batch(k)
+        t = time.perf_counter()
+        for _ in range(config["epochs"]):  # every rank steps on the whole batch (a tiny one)
+            loss, _ = policy_step(policy, optimizer, rollouts, advantages)
+        train.report({"loss": loss, "train_s": time.perf_counter() - t})
+        rl.send(policy, version=k + 1)
+
+
+def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
+    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.train import RunConfig, ScalingConfig
+
+    rollout = RolloutConfig(path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=64)
+    trainer = ScalingConfig(
+        num_workers=2,
+        use_tpu=True,
+        topology="2x2",
+        accelerator_type="TPU-V6E",
+        resources_per_worker={"TPU": 2},
+    )
+    prompts = [p for p in PROMPTS for _ in range(args.group)]
+    split: list[tuple[float, float, float]] = []
+
+    def rollout_fn(engine: RolloutEngine, k: int) -> tuple:
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + k)
+        rollouts = engine.generate(prompts, params)
+        t1 = time.perf_counter()
+        rewards = [reward(r.text, args.words) for r in rollouts]
+        split.append((statistics.fmean(rewards), t1 - t0, time.perf_counter() - t1))
+        return rollouts, group_advantages(rewards, args.group)
+
+    config = {"path": path, "lr": args.lr, "epochs": args.epochs, "seed": args.seed}
+    with tempfile.TemporaryDirectory(prefix="rl-grpo-run-") as storage:
+        run = RLRun(
+            RLConfig(rollout, trainer, overlap=args.overlap),
+            grpo_train_loop,
+            train_loop_config=config,
+            run_config=RunConfig(storage_path=storage, name="grpo", verbose=0),
+        )
+        result = run.run(args.iterations, rollout_fn)
+    history = []
+    trained = [m["train_s"] for m in result.train_result.metrics_history]
+    for k, stats in enumerate(result.times):
+        mean, gen, rew = split[k]
+        history.append(Iteration(mean, gen, rew, trained[k], stats.sync, stats.sync_bytes, stats.total))
+        print(
+            f"iter {k:3d}  mean_reward {mean:.3f}  generate {gen:.2f}s reward {rew:.3f}s train {trained[k]:.2f}s "
+            f"sync {stats.sync:.2f}s ({stats.sync_bytes / 1e6:.1f} MB)  iteration {stats.total:.2f}s",
+            flush=True,
+        )
+    return history
+
+
+def plot(means: list[float], png: str) -> None:
+    from tpuray.optional import require
+
+    matplotlib = require("matplotlib", "plot", "examples/rl_grpo.py --png")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(means)), means, marker="o")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward")
+    ax.set_title("GRPO on a tiny model: reply in exactly N words")
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"wrote {png}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
+    parser.add_argument("--words", type=int, default=3, help="the reward's target word count N")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=4, help="clipped policy steps per batch of rollouts")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slice", action="store_true", help="rollout engine on an emulated v6e 2x2 slice")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="sleep the rollout engine while the trainer steps (chip hand-over)",
+    )
+    parser.add_argument(
+        "--trainer",
+        choices=("driver", "tpuray"),
+        default="driver",
+        help="driver: plain PyTorch in this process; tpuray: tpuray.train (FSDP2, 2 workers) on one emulated "
+        "v6e 2x2 slice, the rollout engine on another (tpuray.rl.RLRun)",
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="--trainer tpuray: generate the next batch while training"
+    )
+    parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
+    parser.add_argument("--png", default=None, help="plot the mean reward per iteration to this file")
+    args = parser.parse_args(argv)
+    for name in ("iterations", "group", "words", "max_tokens", "epochs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
+    if args.trainer == "tpuray" and (args.slice or args.colocate):
+        parser.error("--trainer tpuray places both sides itself (two slices); drop --slice / --colocate")
+    if args.overlap and args.trainer != "tpuray":
+        parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Iteration]:
+    args = parse_args(argv)
+    cluster = None
+    if args.slice or args.trainer == "tpuray":
+        import ray
+
+        if args.address:
+            ray.init(address=args.address)
+        else:
+            from tpuray.emulator import EmulatedCluster, SliceRequest
+
+            slices = 2 if args.trainer == "tpuray" else 1
+            cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=slices)], head_cpus=2)
+            cluster.start()
+            cluster.connect()
+    try:
+        history = run(args)
+    finally:
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
+    means = [it.mean_reward for it in history]
+    k = max(1, len(means) // 5)
+    print(
+        f"mean reward: first {k} iterations {statistics.fmean(means[:k]):.3f}, last {k} {statistics.fmean(means[-k:]):.3f}"
+    )
+    if args.png:
+        plot(means, args.png)
+    return history
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""`RLRun`: a `tpuray.train` trainer and a `RolloutEngine` placed by `RLConfig`, joined by a batch ->
+train -> weight-sync loop (issue 23, item 3). The driver generates (your `rollout_fn`), hands each batch
+to every trainer rank, waits for the ranks' new weights (`tpuray.rl.sync`) and loads them into the
+engine; with `overlap=True` it generates batch k+1 while the trainer trains on batch k.
+
+    def train_loop(config):                        # runs on every trainer rank (tpuray.train worker)
+        rl = config["rl"]                          # a SyncTarget
+        for k in range(rl.iterations):
+            batch = rl.batch(k)                    # what rollout_fn(engine, k) returned
+            ...one or more optimizer steps...
+            rl.send(model, version=k + 1)          # FSDP2: each rank its shard; DDP: rank 0 all
+
+    result = RLRun(RLConfig(rollout_cfg, scaling), train_loop).run(iterations, rollout_fn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from tpuray.rl.config import RolloutConfig
+from tpuray.rl.engine import RolloutEngine
+from tpuray.rl.sync import WeightSync
+from tpuray.validation import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Placement = Literal["disaggregated", "colocated"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+RolloutFn = Callable[[RolloutEngine, int], Any]
+STOP_TIMEOUT_S = 120.0  # for the trainer's workers to end once the run failed
+
+
+class RLRunError(RuntimeError):
+    """The RL run ended because one side failed (the trainer run, the rollout engine or a weight sync);
+    the cause is chained. Everything the run reserved was released."""
+
+
+@dataclass
+class RLConfig:
+    """Where an RL run's trainer and rollout engine run, and how their phases interleave; validated at
+    construction, before anything is reserved."""
+
+    rollout: RolloutConfig
+    """The rollout engine: model, slice (`accelerator_type`, `topology`) and tensor parallelism."""
+    trainer: Any
+    """The trainer's workers: a `tpuray.train.ScalingConfig` (TPU slices for `use_tpu=True`)."""
+    placement: Placement = "disaggregated"
+    """"disaggregated": trainer and rollout engine each on slices of their own, reserved for the whole run.
+    "colocated" (one slice, the phases alternating and handing the chips over) is refused for now:
+    docs/rl.md says why."""
+    overlap: bool = False
+    """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
+    batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
+    sync_timeout_s: float = 600.0
+    """How long a trainer rank waits for a batch or for the engine to take its weights."""
+    trainer_world_size: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        from tpuray.train import ScalingConfig
+
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ConfigError(f"RLConfig.rollout must be a tpuray.rl.RolloutConfig, got {self.rollout!r}")
+        if not isinstance(self.trainer, ScalingConfig):
+            raise ConfigError(f"RLConfig.trainer must be a tpuray.train.ScalingConfig, got {self.trainer!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"RLConfig.placement={self.placement!r} is invalid; valid: {', '.join(PLACEMENTS)}"
+            )
+        if self.placement == "colocated":
+            raise ConfigError(
+                "RLConfig.placement='colocated' is not implemented yet (on a TPU a chip belongs to one "
+                "process: the engine must run inside the trainer's workers; docs/rl.md); valid now: "
+                "'disaggregated'"
+            )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
+        if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
+            raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
+        if not self.rollout.on_slice or not self.trainer.use_tpu:
+            raise ConfigError(
+                f"RLConfig.placement='disaggregated' puts the trainer and the rollout engine on slices of "
+                f"their own: RolloutConfig(accelerator_type={self.rollout.accelerator_type!r}, "
+                f"topology={self.rollout.topology!r}) and ScalingConfig(use_tpu={self.trainer.use_tpu!r}) "
+                "must both name a TPU slice"
+            )
+        self.trainer_world_size = self.trainer.num_workers
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One iteration on the driver: seconds in `rollout` (rollout_fn of the next batch: generate + reward;
+    with overlap, while the trainer trains), `wait` (for the trainer's weights, beyond the rollout),
+    `sync` (update_weights: transfer + load) and `total`; `sync_bytes` the rollout ranks received, each from up
+    to `senders` trainer ranks."""
+
+    rollout: float
+    wait: float
+    sync: float
+    total: float
+    sync_bytes: int
+    senders: int
+
+
+@dataclass
+class RLResult:
+    """What `RLRun.run` returns: the trainer's `tpuray.train.Result`, each iteration's batch as
+    rollout_fn returned it (its time split in `times`)."""
+
+    train_result: Any
+    batches: list[Any]
+    times: list[IterationStats]
+
+
+class RLRun:
+    """Runs `train_loop` under tpuray.train and the rollout engine as `config` places them (module doc).
+    Reservation is all or nothing: the cluster's slices are counted first (too few: RLRunError, nothing
+    reserved), then the rollout engine's slice is reserved, then the trainer's (fit()); any failure on the
+    way, or of either side later, releases both and raises RLRunError."""
+
+    def __init__(
+        self,
+        config: RLConfig,
+        train_loop: Callable[[dict], Any],
+        *,
+        train_loop_config: dict | None = None,
+        run_config: Any = None,
+    ) -> None:
+        from tpuray.train import RunConfig
+
+        if not isinstance(config, RLConfig):
+            raise TypeError(f"config must be an RLConfig, got {type(config).__name__}")
+        run_config = run_config or RunConfig()
+        if not isinstance(run_config, RunConfig):
+            raise ConfigError(f"run_config must be a tpuray.train.RunConfig, got {run_config!r}")
+        if run_config.failure_config.max_failures != 0:
+            raise ConfigError(
+                f"FailureConfig(max_failures={run_config.failure_config.max_failures}) is not supported by an "
+                "RL run: a failed trainer ends the run (RLRunError); valid: 0"
+            )
+        self.config = config
+        self.train_loop = train_loop
+        self.train_loop_config = dict(train_loop_config or {})
+        self.run_config = run_config
+        self._fit_out: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def run(self, iterations: int, rollout_fn: RolloutFn) -> RLResult:
+        """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
+        if not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
+        self._check_capacity()
+        engine = RolloutEngine(self.config.rollout)  # reserves the rollout slice (or raises, nothing held)
+        try:
+            sync = WeightSync(
+                engine.tensor_parallel_size, self.config.trainer_world_size, self.config.sync_timeout_s
+            )
+        except BaseException:
+            engine.shutdown()
+            raise
+        try:
+            self._start_trainer(sync, iterations)
+            batches, times = self._loop(engine, sync, iterations, rollout_fn)
+            return RLResult(self._finish(), batches, times)
+        except BaseException as e:
+            self._stop(sync)
+            if isinstance(e, RLRunError):
+                raise
+            side = (
+                "the driver"
+                if isinstance(e, KeyboardInterrupt)
+                else "the rollout side (engine or rollout_fn)"
+            )
+            raise RLRunError(f"the RL run ended: {side} failed ({type(e).__name__}: {e})") from e
+        finally:
+            sync.shutdown()
+            engine.shutdown()
+
+    def _check_capacity(self) -> None:
+        """Before reserving anything: the cluster must hold enough intact slices of each side's shape at
+        once (the rollout engine's and the trainer's num_slices), else RLRunError listing its slices."""
+        import ray
+
+        from tpuray.slices.inventory import format_slices, list_slices
+        from tpuray.topology import SliceTopology
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RLRun.run needs this process connected to a Ray cluster with the slices (ray.init)"
+            )
+        rollout, trainer = self.config.rollout, self.config.trainer
+        assert rollout.accelerator_type is not None and rollout.topology is not None  # RLConfig checked
+        assert trainer.slice_topology is not None and trainer.num_slices is not None
+        need = {SliceTopology.parse(rollout.accelerator_type, rollout.topology).pod_type: 1}
+        pod = trainer.slice_topology.pod_type
+        need[pod] = need.get(pod, 0) + trainer.num_slices
+        slices = list_slices()
+        for pod, n in need.items():
+            have = sum(1 for s in slices if s.pod_type == pod and s.intact and not s.draining)
+            if have < n:
+                raise RLRunError(
+                    f"the RL run needs {n} x {pod} slice(s) at once (the rollout engine's and the trainer's); "
+                    f"this cluster has {have}; nothing was reserved. TPU slices:\n{format_slices(slices)}"
+                )
+
+    # -- the trainer --------------------------------------------------------------------------------------
+    def _start_trainer(self, sync: WeightSync, iterations: int) -> None:
+        from tpuray.train.torch import TorchTrainer
+
+        target = dataclasses.replace(sync.target, iterations=iterations)
+        trainer = TorchTrainer(
+            self.train_loop,
+            train_loop_config={**self.train_loop_config, "rl": target},
+            scaling_config=self.config.trainer,
+            run_config=self.run_config,
+        )
+        out = self._fit_out = {}
+
+        def fit() -> None:
+            try:
+                out["result"] = trainer.fit()
+            except BaseException as e:  # noqa: BLE001 - raised on the driver's thread by _alive
+                out["error"] = e
+
+        self._thread = threading.Thread(target=fit, name="tpuray-rl-trainer", daemon=True)
+        self._thread.start()
+
+    def _alive(self) -> None:
+        """Raise RLRunError when the trainer run ended (it should be waiting on the mailbox)."""
+        assert self._thread is not None
+        if self._thread.is_alive():
+            return
+        error = self._fit_out.get("error")
+        if error is not None:
+            raise RLRunError(
+                f"the RL run ended: the trainer failed ({type(error).__name__}: {error})"
+            ) from error
+        raise RLRunError("the RL run ended: the trainer's loop returned before sending all its updates")
+
+    def _finish(self) -> Any:
+        assert self._thread is not None
+        self._thread.join()
+        if "result" not in self._fit_out:
+            self._alive()
+        return self._fit_out["result"]
+
+    def _stop(self, sync: WeightSync) -> None:
+        """End the trainer run: its ranks' next mailbox call fails (SyncError), fit() fails and releases
+        its slice; wait for that (bounded)."""
+        sync.shutdown()
+        if self._thread is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.error(
+                    "tpuray.rl: the trainer run did not end within %ss of the failure", STOP_TIMEOUT_S
+                )
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _loop(
+        self, engine: RolloutEngine, sync: WeightSync, iterations: int, rollout_fn: RolloutFn
+    ) -> tuple[list[Any], list[IterationStats]]:
+        import ray
+
+        overlap = self.config.overlap
+        batches, times = [], []
+        batch = rollout_fn(engine, 0)
+        for k in range(iterations):
+            t0 = time.perf_counter()
+            ref = ray.put(batch)
+            for rank in range(sync.world_size):
+                sync.put(f"batch/{k}/{rank}", [ref])
+            batches.append(batch)
+            more = k + 1 < iterations
+            rollout_s = 0.0
+            if overlap and more:  # generate k+1 with the current weights while the trainer trains on k
+                batch = rollout_fn(engine, k + 1)
+                rollout_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            update = sync.receive(k + 1, self._alive)
+            t2 = time.perf_counter()
+            self._update(engine, sync, update, k + 1)
+            t3 = time.perf_counter()
+            if not overlap and more:
+                batch = rollout_fn(engine, k + 1)
+                rollout_s = time.perf_counter() - t3
+            senders = max(len(refs) for refs in update.refs)
+            times.append(
+                IterationStats(
+                    rollout_s, t2 - t1, t3 - t2, time.perf_counter() - t0, sum(update.nbytes), senders
+                )
+            )
+        return batches, times
+
+    @staticmethod
+    def _update(engine: RolloutEngine, sync: WeightSync, update: Any, version: int) -> None:
+        from tpuray.rl.weights import WeightMismatchError
+
+        try:
+            engine.update_weights(update)
+        except WeightMismatchError as e:
+            sync.ack(version, error=str(e))  # the trainer's ranks raise it too
+            raise RLRunError(f"the RL run ended: the trainer's update {version} was refused: {e}") from e
+        sync.ack(version)

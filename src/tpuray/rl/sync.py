@@ -1,0 +1,294 @@
+"""Weight sync straight from a `tpuray.train` run into a `RolloutEngine`'s workers (issue 23, item 2).
+
+Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs and
+puts one object per rollout rank in Ray's object store; only the ObjectRefs travel through a small
+mailbox actor to the driver, which hands them to the engine: rollout rank r pulls the pieces addressed to
+it from every trainer rank, checks and assembles them, and stages its fused shards (the engine's
+all-or-nothing stage / commit). No full copy of the state on the driver.
+
+- sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank sends the rows it holds;
+- replicated trainer (DDP, or one worker): rank 0 sends the full state, the other ranks nothing.
+
+On the trainer (in the train loop):      `target.send(model, version)`  (every rank; blocks until the
+                                          engine committed the update, so the objects' owner outlives it)
+On the driver:                            `sync = WeightSync(engine, trainer_world_size)`,
+                                          `engine.update_weights(sync.receive(version, alive))`,
+                                          `sync.ack(version)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpuray.rl.weights import (
+    WeightMismatchError,
+    _own_storage,
+    expected_shapes,
+    fuse,
+    optional_names,
+    part_range,
+    split_dim,
+)
+
+Piece = tuple[int, torch.Tensor]  # (first row within the rollout rank's part, rows)
+POLL_S = 0.5
+
+
+class SyncError(RuntimeError):
+    """The other side of a weight sync went away (the trainer run or the driver ended)."""
+
+
+@dataclass(frozen=True)
+class TrainerUpdate:
+    """A weight update sent by the ranks of a trainer: `refs[r]` are the ObjectRefs of the pieces for
+    rollout rank r (one per trainer rank that holds some of it). Pass it to `RolloutEngine.update_weights`."""
+
+    refs: tuple[tuple[Any, ...], ...]
+    nbytes: tuple[int, ...]  # bytes each rollout rank receives
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.refs)
+
+
+# -- the trainer's side ---------------------------------------------------------------------------------
+def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
+    """(this rank's local rows on the CPU, their first global row), or None when another rank sends
+    the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or `Replicate()` on a 1-D
+    mesh (what FSDP2's `fully_shard` makes)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return (t.detach().cpu(), 0) if rank == 0 else None
+    placements = tuple(t.placements)
+    if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
+        raise WeightMismatchError(
+            f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
+            "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
+        )
+    local = t.to_local().detach().cpu()
+    if placements[0] == Replicate():
+        return (local, 0) if rank == 0 else None
+    lo, hi = part_range(t.shape[0], t.device_mesh.get_local_rank(), t.device_mesh.size())
+    if local.shape[0] != hi - lo:
+        raise WeightMismatchError(
+            f"weight sync: {name!r}'s local shard has {local.shape[0]} rows; Shard(0) over "
+            f"{t.device_mesh.size()} ranks gives rows [{lo}, {hi})"
+        )
+    return local, lo
+
+
+def trainer_pieces(
+    state: Mapping[str, torch.Tensor], rank: int, tensor_parallel_size: int
+) -> list[dict[str, Piece]]:
+    """For each rollout rank, the pieces of its part that this trainer rank holds (name -> (first row
+    within the part, rows)); names are HF names, shapes are checked by the receiver."""
+    out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
+    for name, t in state.items():
+        held = _row_offset(name, t, rank)
+        if held is None:
+            continue
+        local, a = held
+        b, dim = a + local.shape[0], split_dim(name)
+        for r in range(tensor_parallel_size):
+            lo, hi = part_range(t.shape[0], r, tensor_parallel_size) if dim == 0 else (0, t.shape[0])
+            lo, hi = max(lo, a), min(hi, b)
+            if lo >= hi:
+                continue
+            rows = local[lo - a : hi - a]
+            if dim == 1:
+                c0, c1 = part_range(t.shape[1], r, tensor_parallel_size)
+                rows = rows[:, c0:c1]
+            start = lo - (part_range(t.shape[0], r, tensor_parallel_size)[0] if dim == 0 else 0)
+            out[r][name] = (start, _own_storage(rows.contiguous()))
+    return out
+
+
+def model_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """HF-named state of a trainer's model: a state dict, a plain / FSDP2 module, or a DDP / FSDP1
+    wrapper (its `.module`)."""
+    if isinstance(model, Mapping):
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or a state dict, got {type(model).__name__}")
+    inner = getattr(model, "module", None)
+    return (inner if isinstance(inner, torch.nn.Module) else model).state_dict()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass(frozen=True)
+class SyncTarget:
+    """What a train loop needs to send weights to the rollout engine (picklable: put it in
+    `train_loop_config`). Made by `WeightSync.target`."""
+
+    mailbox: Any  # the _Mailbox actor
+    tensor_parallel_size: int
+    timeout_s: float
+    iterations: int = 0  # of an RLRun: how many batches the driver sends
+
+    def batch(self, k: int) -> Any:
+        """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it."""
+        import ray
+
+        rank = _rank()
+        return ray.get(self.get(f"batch/{k}/{rank}")[0])
+
+    def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
+        """Send this rank's part of the model's weights as update `version` and wait until the engine
+        committed it (or refused it: WeightMismatchError). Call on every trainer rank. Returns bytes sent."""
+        import ray
+
+        rank = _rank()
+        pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size)
+        refs = [ray.put(p) if p else None for p in pieces]
+        nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
+        ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (refs, nbytes)))
+        error = self.get(f"ack/{version}/{rank}")
+        if error is not None:
+            raise WeightMismatchError(error)
+        return sum(nbytes)
+
+    def get(self, key: str) -> Any:
+        """Wait for `key` in the mailbox (a batch the driver put, an acknowledgement)."""
+        import ray
+
+        try:
+            return ray.get(self.mailbox.take.remote(key, self.timeout_s))
+        except ray.exceptions.RayActorError as e:
+            raise SyncError(f"the RL run's mailbox is gone while waiting for {key!r}: the run ended") from e
+
+
+# -- the rollout rank's side ----------------------------------------------------------------------------
+def assemble(
+    received: list[dict[str, Piece]], config: Mapping[str, Any], rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """Rollout rank `rank`'s fused shards from the pieces every trainer rank sent it; WeightMismatchError
+    names the first missing, unknown, misshapen or incomplete tensor (nothing is written)."""
+    expected = expected_shapes(config)
+    allowed = {**expected, **optional_names(config)}
+    by_name: dict[str, list[Piece]] = {}
+    for pieces in received:
+        for name, piece in pieces.items():
+            if name not in allowed:
+                raise WeightMismatchError(f"weight sync: unknown tensor {name!r}")
+            by_name.setdefault(name, []).append(piece)
+    missing = [n for n in expected if n not in by_name]
+    if missing:
+        raise WeightMismatchError(
+            f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
+            f"({len(missing)} of {len(expected)})"
+        )
+    return fuse({n: _join(n, ps, allowed[n], rank, world_size) for n, ps in by_name.items()}, config)
+
+
+def _join(name: str, pieces: list[Piece], full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+    shape = list(full)
+    dim = split_dim(name)
+    if dim is not None:
+        lo, hi = part_range(full[dim], rank, world)
+        shape[dim] = hi - lo
+    pieces = sorted(pieces, key=lambda p: p[0])
+    row = 0
+    for start, t in pieces:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise WeightMismatchError(f"weight sync: a piece of {name!r} is not a floating-point tensor")
+        if start != row or list(t.shape[1:]) != shape[1:]:
+            raise WeightMismatchError(
+                f"weight sync: {name!r} has a piece of shape {tuple(t.shape)} at row {start}; expected "
+                f"rows from {row} of a part of shape {tuple(shape)} (full shape {full})"
+            )
+        row += t.shape[0]
+    if row != shape[0]:
+        raise WeightMismatchError(f"weight sync: {name!r} has {row} of its part's {shape[0]} rows")
+    return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])
+
+
+def resolve_pieces(refs: Any) -> list[dict[str, Piece]]:
+    import ray
+
+    return list(ray.get([r for r in refs if r is not None]))
+
+
+# -- the driver's side ----------------------------------------------------------------------------------
+class _Mailbox:
+    """A key -> value store whose `take` waits for the key (an async Ray actor; values may hold
+    ObjectRefs, which stay borrowed until taken)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.events: dict[str, asyncio.Event] = {}
+
+    def _event(self, key: str) -> asyncio.Event:
+        return self.events.setdefault(key, asyncio.Event())
+
+    async def put(self, key: str, value: Any) -> None:
+        self.values[key] = value
+        self._event(key).set()
+
+    async def take(self, key: str, timeout_s: float) -> Any:
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s}s") from None
+        self.events.pop(key, None)
+        return self.values.pop(key)
+
+
+class WeightSync:
+    """The driver's end of the sync between a trainer run of `trainer_world_size` ranks and a rollout
+    engine of `tensor_parallel_size` ranks: a mailbox actor (no CPU) that ObjectRefs pass through."""
+
+    def __init__(self, tensor_parallel_size: int, trainer_world_size: int, timeout_s: float = 600.0) -> None:
+        import ray
+
+        self.world_size = trainer_world_size
+        self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(max_concurrency=1000).remote()
+        self.target = SyncTarget(self.mailbox, tensor_parallel_size, timeout_s)
+
+    def put(self, key: str, value: Any) -> None:
+        import ray
+
+        ray.get(self.mailbox.put.remote(key, value))
+
+    def receive(self, version: int, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
+        """Wait for update `version` from every trainer rank; `alive()` is called while waiting and
+        raises when the trainer run ended (so a dead trainer does not hang the driver)."""
+        import ray
+
+        tp = self.target.tensor_parallel_size
+        pending = [self.mailbox.take.remote(f"weights/{version}/{r}", 1e9) for r in range(self.world_size)]
+        while True:
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            if len(ready) == len(pending):
+                break
+            alive()
+        refs: list[list[Any]] = [[] for _ in range(tp)]
+        nbytes = [0] * tp
+        for sent, sizes in ray.get(pending):
+            for r in range(tp):
+                if sent[r] is not None:
+                    refs[r].append(sent[r])
+                    nbytes[r] += sizes[r]
+        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes))
+
+    def ack(self, version: int, error: str | None = None) -> None:
+        """Tell every trainer rank that update `version` was committed (or refused, with `error`)."""
+        import ray
+
+        ray.get([self.mailbox.put.remote(f"ack/{version}/{r}", error) for r in range(self.world_size)])
+
+    def shutdown(self) -> None:
+        """Kill the mailbox: a trainer rank waiting on it gets SyncError (its run ends)."""
+        import ray
+
+        ray.kill(self.mailbox, no_restart=True)

@@ -1,0 +1,192 @@
+"""`VLLMRolloutEngine`: `RolloutEngine`'s API (generate, update_weights, sleep / wake_up, shutdown) over
+vLLM's engine, what `RolloutEngine(config)` returns where `config.resolved_engine` is "vllm".
+
+vLLM starts as a serving replica starts it (`tpuray.serve.llm.engine.vllm.VLLMEngine`: vLLM's AsyncLLM,
+on this machine's CPU or on a TPU slice it reserves atomically, one vLLM worker per chip, tpuray's
+emulated-TPU platform plugin on emulated slices), with tpuray's worker extension
+(`tpuray.rl.vllm_worker.WeightsExtension`) in every worker; generation goes straight to AsyncLLM (no
+HTTP). `update_weights` checks the state dict on the driver, then `collective_rpc` stages it on every
+rank (checked again there) and, only when all staged, loads it in place (vLLM's `reload_weights`), then
+resets vLLM's prefix cache (its KV blocks were computed with the old weights).
+
+sleep / wake_up use vLLM's sleep mode where the platform has one (`is_sleep_mode_available()`: CUDA,
+ROCm, XPU); on vLLM's CPU backend (the CPU build, and emulated TPU slices) they raise
+`SleepModeUnavailable` naming the platform. vLLM's engine core is a child process (multiprocessing
+spawn): a script that starts one needs the `if __name__ == "__main__":` guard, and should `shutdown()`
+the engine (or use `with`): a client of a dead engine core can hang at garbage collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from tpuray.rl.config import RolloutConfig
+from tpuray.rl.engine import RolloutEngine, UpdateStats
+from tpuray.rl.protocol import GenerationEngine
+from tpuray.rl.vllm_worker import EXTENSION, pack_state
+from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
+from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
+from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.engine.embedded.scheduler import SeqOutput
+from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
+
+logger = logging.getLogger(__name__)
+
+_NOT_VLLM = ("grammar",)  # tpuray SamplingParams fields vLLM's SamplingParams has not (by that name)
+_ids = itertools.count()
+
+
+class SleepModeUnavailable(RuntimeError):
+    """vLLM's sleep mode does not exist on this platform (vLLM's CPU backend has none)."""
+
+
+class _RolloutVLLMEngine(VLLMEngine):
+    """Serving's VLLMEngine with tpuray's worker extension, sleep mode where the platform has it, and
+    eager execution on vLLM's CPU backend (no torch.compile start-up on a CPU)."""
+
+    sleep_mode = False  # set by _start (run from VLLMEngine.__init__)
+    platform = ""  # vLLM's platform class name, set by _start
+
+    def _start(self, path: str, ray_address: str | None) -> None:
+        from vllm.platforms import current_platform
+
+        self._clear_platform_cache()  # the emulated-TPU env (set by _reserve) decides the platform
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.platform = type(current_platform).__name__
+        self.engine_args["worker_extension_cls"] = EXTENSION
+        self.engine_args["enable_sleep_mode"] = self.sleep_mode
+        if current_platform.is_cpu():
+            self.engine_args.setdefault("enforce_eager", True)
+        super()._start(path, ray_address)
+
+
+def vllm_params(params: SamplingParams, index: int) -> Any:
+    """tpuray's SamplingParams as vLLM's (every field by name; one vLLM has not is refused when set).
+    A seeded prompt i samples with seed + i: repeated prompts of a seeded batch give distinct samples."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    default = SamplingParams()
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if f.name in _NOT_VLLM:
+            if value != getattr(default, f.name):
+                raise ValueError(f"SamplingParams.{f.name} is not supported by the vLLM rollout engine")
+            continue
+        kwargs[f.name] = value
+    if params.seed is not None:
+        kwargs["seed"] = params.seed + index
+    return vllm.SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+class VLLMGeneration(PromptEncoder):
+    """`GenerationEngine` over vLLM's AsyncLLM (one final output per sequence)."""
+
+    runner = None  # no in-process ModelRunner, no SliceWorkerGroup: vLLM runs its own workers
+    group = None
+
+    def __init__(self, config: RolloutConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.vllm = _RolloutVLLMEngine(config.llm_config, reservation_timeout_s=config.reservation_timeout_s)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.vllm.args.model)
+        except BaseException:
+            self.vllm.shutdown()
+            raise
+
+    @property
+    def max_model_len(self) -> int:
+        return self.vllm.max_model_len
+
+    @property
+    def client(self) -> Any:
+        if self.vllm.client is None:
+            raise RuntimeError("the vLLM rollout engine is shut down")
+        return self.vllm.client
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, index: int = 0
+    ) -> AsyncIterator[Any]:
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        request = TokensPrompt(prompt_token_ids=prompt_ids)
+        async for out in self.client.generate(request, vllm_params(params, index), f"rollout-{next(_ids)}"):
+            final = out
+        assert final is not None  # FINAL_ONLY: one output, when the sequence ended
+        seq = final.outputs[0]
+        chosen: list[tuple[int, float, list[tuple[int, float]]]] = [
+            (t, lps[t].logprob, []) for t, lps in zip(seq.token_ids, seq.logprobs or [], strict=False)
+        ]
+        yield SeqOutput(seq.text, list(seq.token_ids), True, seq.finish_reason, logprobs=chosen)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.vllm.describe(), "sleep_mode": self.vllm.sleep_mode}
+
+    def shutdown(self) -> None:
+        self.vllm.shutdown()
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """`RolloutEngine` over vLLM (see the module docstring); made by `RolloutEngine(config)`."""
+
+    _engine: VLLMGeneration
+
+    def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
+        return VLLMGeneration(config)
+
+    def update_weights(self, update: Any) -> UpdateStats:
+        """Load a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
+        `model.state_dict()`) into every vLLM worker. Every name and shape is checked before anything is
+        written (here, and again on each rank before any rank loads): WeightMismatchError names the first
+        missing, unknown or misshapen tensor and the engine keeps its current weights. vLLM's weight
+        loaders cut each rank's tensor-parallel part; `ShardedUpdate`s and ObjectRefs are the embedded
+        engine's (`RolloutConfig(engine="embedded")`)."""
+        self._check_open("update_weights")
+        start = time.perf_counter()
+        if not isinstance(update, Mapping):
+            raise WeightMismatchError(
+                f"the vLLM rollout engine takes a state dict (name -> torch.Tensor), got "
+                f"{type(update).__name__}; ShardedUpdate / ObjectRef updates need engine='embedded'"
+            )
+        check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
+        with self._lock:
+            if self._asleep:
+                raise RuntimeError("RolloutEngine.update_weights while asleep (vLLM): call wake_up() first")
+            written = self._loop.run(self._load(pack_state(update)))
+            self.version += 1
+        return UpdateStats(written, time.perf_counter() - start, self.version)
+
+    async def _load(self, packed: dict[str, Any]) -> int:
+        client = self._engine.client
+        try:
+            await client.collective_rpc("tpuray_stage_weights", args=(packed,))
+        except Exception as e:
+            await client.collective_rpc("tpuray_discard_weights")
+            if "WeightMismatchError" in str(e) or "weight update:" in str(e):
+                raise WeightMismatchError(str(e)) from None
+            raise
+        written = int(sum(await client.collective_rpc("tpuray_commit_weights")))
+        await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
+        return written
+
+    def _on_ranks(self, method: str) -> int:
+        """vLLM's sleep (level 1: weights offloaded, KV cache dropped) / wake_up; vLLM does not report
+        the bytes, so this returns 0."""
+        if not self._engine.vllm.sleep_mode:
+            raise SleepModeUnavailable(
+                f"RolloutEngine.{method}: vLLM's sleep mode is not available on platform "
+                f"{self._engine.vllm.platform} (vLLM's is_sleep_mode_available() is False: it frees device "
+                "memory through the CUDA / ROCm / XPU allocator; the CPU backend, also on emulated TPU "
+                "slices, has none). Use RolloutConfig(engine='embedded') to sleep there"
+            )
+        client = self._engine.client
+        self._loop.run(client.sleep(level=1) if method == "sleep" else client.wake_up())
+        return 0

@@ -1,0 +1,78 @@
+"""`WeightsExtension`: tpuray's vLLM worker extension (vLLM's `worker_extension_cls`), mixed by vLLM into
+each of its workers (one per tensor-parallel rank), reached from the rollout engine with
+`collective_rpc`.
+
+An update is two-phase, like the embedded engine's (rl/worker.py): `tpuray_stage_weights` checks every
+name and shape against the model's config.json with `tpuray.rl.weights.check_state` (the one check,
+shared with the embedded engine) and keeps the update; only when every rank staged does
+`tpuray_commit_weights` load it with vLLM's in-place reload (the model's own `load_weights`, whose
+weight loaders fuse q/k/v and gate/up and keep this rank's tensor-parallel part). `tpuray_discard_weights` drops a staged update.
+
+Tensors travel through vLLM's engine-core RPC (msgpack), which carries bytes but not tensors inside
+`collective_rpc` arguments: `pack_state` / `unpack_state` send each tensor as (dtype, shape, raw bytes).
+No vllm import here: vLLM imports this module by its qualified name in every worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpuray.rl.weights import check_state, shapes_of
+
+EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
+Packed = dict[str, tuple[str, list[int], bytes]]
+
+
+def pack_state(state: Mapping[str, torch.Tensor]) -> Packed:
+    """name -> (dtype name, shape, raw bytes) of a checked state dict."""
+    out: Packed = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), raw)
+    return out
+
+
+def unpack_state(packed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state dict `pack_state` packed (msgpack may hand the tuples back as lists)."""
+    out = {}
+    for name, (dtype, shape, raw) in packed.items():
+        out[name] = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
+    return out
+
+
+class WeightsExtension:
+    """Weight updates on a vLLM worker (`self.model_runner.model`, `self.model_config` are the worker's)."""
+
+    model_runner: Any
+    model_config: Any
+    reload_weights: Any  # vLLM Worker.reload_weights
+    _tpuray_staged: dict[str, torch.Tensor] | None = None  # a mixin: vLLM never calls our __init__
+
+    def tpuray_stage_weights(self, packed: Mapping[str, Any]) -> int:
+        """Check the update (WeightMismatchError names the first missing, unknown or misshapen tensor;
+        nothing is staged) and keep it; returns the bytes staged."""
+        self._tpuray_staged = None
+        state = unpack_state(packed)
+        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
+        check_state(shapes_of(state), config)
+        self._tpuray_staged = state
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+    def tpuray_commit_weights(self) -> int:
+        """Load the staged update with vLLM's in-place reload (`reload_weights`: the model's
+        `load_weights` between vLLM's layer-wise reload hooks, which redo the backend's weight processing,
+        e.g. the CPU backend's repacked GEMM weights); returns the bytes of this rank's parameters."""
+        staged, self._tpuray_staged = self._tpuray_staged, None
+        if staged is None:
+            raise RuntimeError("tpuray_commit_weights without a staged update (tpuray_stage_weights first)")
+        self.reload_weights(weights_iterator=iter(staged.items()))
+        return sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+
+    def tpuray_discard_weights(self) -> None:
+        self._tpuray_staged = None

@@ -1,0 +1,152 @@
+"""Weight sync from a real `tpuray.train` run (tpu_dist on an emulated v6e 2x2 slice) into a rollout
+engine tensor parallel on the other slice: FSDP2 ranks send their own shards, DDP rank 0 the full state;
+and the pieces' checks, in process."""
+
+from __future__ import annotations
+
+import _rl_loops  # noqa: E402
+import pytest
+import ray.cloudpickle
+import torch
+
+from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
+from tpuray.rl.run import RLConfig, RLRun, RLRunError
+from tpuray.rl.sync import assemble, trainer_pieces
+from tpuray.rl.weights import shard_state
+from tpuray.validation import ConfigError
+
+ray.cloudpickle.register_pickle_by_value(_rl_loops)
+
+from _rl_util import greedy as _greedy  # noqa: E402
+from _rl_util import state_dict as _state_dict  # noqa: E402
+
+
+def test_pieces_assemble_into_each_ranks_shards(tiny_models):
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(tiny_models[0]) / "config.json").read_text())
+    state = _state_dict(tiny_models[0])
+    pieces = trainer_pieces(state, rank=0, tensor_parallel_size=2)
+    assert trainer_pieces(state, rank=1, tensor_parallel_size=2) == [{}, {}]  # replicated: rank 0 sends
+    for r in range(2):
+        got = assemble([pieces[r]], config, r, 2)
+        want = shard_state(state, config, r, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    start, rows = pieces[1][name]
+    split = [{**pieces[1], name: (start, rows[:10])}, {name: (start + 10, rows[10:])}]
+    assert torch.equal(
+        assemble(split, config, 1, 2)["layers.0.qkv"], shard_state(state, config, 1, 2)["layers.0.qkv"]
+    )
+    with pytest.raises(WeightMismatchError, match=r"q_proj.weight' has 10 of its part's 64 rows"):
+        assemble(split[:1], config, 1, 2)
+    with pytest.raises(
+        WeightMismatchError, match=r"q_proj.weight' has a piece of shape \(54, 128\) at row 12"
+    ):
+        assemble([split[0], {name: (start + 12, rows[10:])}], config, 1, 2)
+    with pytest.raises(WeightMismatchError, match="'model.norm.weight' .* is missing"):
+        assemble([{k: v for k, v in pieces[0].items() if k != "model.norm.weight"}], config, 0, 2)
+
+
+SCALING = {
+    "num_workers": 2,
+    "use_tpu": True,
+    "topology": "2x2",
+    "accelerator_type": "TPU-V6E",
+    "resources_per_worker": {"TPU": 2},
+}
+
+
+def _rollout_config(path: str) -> RolloutConfig:
+    return RolloutConfig(
+        path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
+    )
+
+
+def test_rl_config_refuses_bad_values(tiny_models):
+    from tpuray.train import FailureConfig, RunConfig, ScalingConfig
+
+    ok = {"rollout": _rollout_config(tiny_models[0]), "trainer": ScalingConfig(**SCALING)}
+    for bad, named in (
+        ({"placement": "split"}, "placement='split' is invalid; valid: disaggregated, colocated"),
+        ({"placement": "colocated"}, "placement='colocated' is not implemented yet"),
+        ({"overlap": "yes"}, "overlap='yes' is invalid"),
+        ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
+        ({"rollout": RolloutConfig(tiny_models[0])}, "accelerator_type=None"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            RLConfig(**{**ok, **bad})
+    with pytest.raises(ConfigError, match=r"max_failures=1\) is not supported by an RL run"):
+        RLRun(
+            RLConfig(**ok),
+            _rl_loops.rl_loop,
+            run_config=RunConfig(failure_config=FailureConfig(max_failures=1)),
+        )
+
+
+def _alive_train_workers() -> list:
+    import ray._private.state as state
+
+    return [
+        a for a in state.actors().values() if a["State"] != "DEAD" and "TrainWorker" in a["ActorClassName"]
+    ]
+
+
+def test_rl_run_syncs_from_a_tpuray_train_run(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+):
+    """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
+    on the other. FSDP2 with overlap: each trainer rank sends its own Shard(0) rows, cut per rollout
+    rank, and the engine generates the sent model's tokens one batch later. DDP sequential: rank 0 sends
+    all, the tokens change from the next batch on, then the trainer fails; then a rollout worker dies.
+    A failure of either side ends the run with RLRunError; no worker or placement group is left."""
+    import ray
+
+    from tpuray.train import RunConfig, ScalingConfig
+
+    def run(name: str, overlap: bool, iterations: int, rollout_fn, **loop_config):
+        rl = RLRun(
+            RLConfig(_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), overlap=overlap),
+            _rl_loops.rl_loop,
+            train_loop_config={"path": tiny_models[1], **loop_config},
+            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
+        )
+        return rl.run(iterations, rollout_fn)
+
+    two_slices = ScalingConfig(**{**SCALING, "num_workers": 4})  # + the engine's: 3 slices, 2 exist
+    with pytest.raises(
+        RLRunError, match=r"needs 3 x v6e-4 slice\(s\) at once .* has 2; nothing was reserved"
+    ):
+        RLRun(RLConfig(_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
+
+    full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
+    result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), strategy="fsdp2")
+    assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0
+    assert result.train_result.return_value == result.batches  # every batch reached rank 0
+    assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
+    assert all(full < t.sync_bytes < 2 * full and t.sync > 0 for t in result.times)  # TP=2: replicated x2
+
+    seen: list = []
+
+    def recording(engine: RolloutEngine, k: int) -> list:
+        seen.append(_greedy(engine))
+        return seen[-1]
+
+    with pytest.raises(RLRunError, match=r"(?s)the trainer failed .*trainer failure injected at iteration 2"):
+        run("ddp", False, 3, recording, strategy="ddp", fail_at=2)
+    assert seen == [reference[w] for w in "abb"]
+    assert not _alive_train_workers()
+    pg_leak_check()
+
+    def killing(engine: RolloutEngine, k: int) -> list:
+        if k == 1:
+            ray.kill(engine.group.actors[1], no_restart=True)
+        return _greedy(engine)
+
+    with pytest.raises(
+        RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
+    ):
+        run("rollout-fails", False, 3, killing, strategy="ddp")
+    assert not _alive_train_workers()
+    pg_leak_check()
