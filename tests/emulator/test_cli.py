@@ -32,6 +32,21 @@ def test_bad_num_slices_is_a_usage_error(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing started
 
 
+def test_bad_autoscale_flags_are_usage_errors(tmp_path) -> None:
+    state = ["--state-dir", str(tmp_path)]
+    alone = _tpuray("emulate", "up", "--max-slices", "TPU-V6E:2x2=1", *state)
+    assert alone.returncode == 2 and "only valid with --autoscale" in alone.stderr
+    bare = _tpuray("emulate", "up", "--autoscale", *state)
+    assert bare.returncode == 2 and "--autoscale needs --max-slices TYPE:TOPOLOGY=N" in bare.stderr
+    bad = _tpuray("emulate", "up", "--autoscale", "--max-slices", "TPU-V6E:3x3=1", *state)
+    assert bad.returncode == 2 and "3x3" in bad.stderr and "valid" in bad.stderr
+    shape = _tpuray("emulate", "up", "--autoscale", "--max-slices", "v6e-2x2", *state)
+    assert shape.returncode == 2 and "'v6e-2x2' is invalid: use TYPE:TOPOLOGY=N" in shape.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
+    helped = _tpuray("emulate", "--help")
+    assert "--max-slices TYPE:TOPOLOGY=N" in helped.stdout and "Ray's own autoscaler" in helped.stdout
+
+
 def test_status_lists_emulated_slices(emulated_cluster) -> None:
     out = _tpuray("status", "--address", emulated_cluster.address)
     assert out.returncode == 0, out.stderr
@@ -42,10 +57,13 @@ def test_status_lists_emulated_slices(emulated_cluster) -> None:
 
 def test_emulate_up_status_down(tmp_path) -> None:
     state = ["--state-dir", str(tmp_path)]
-    up = _tpuray("emulate", "up", "--topology", "2x2", "--head-cpus", "1", *state)
+    # One fixed slice, and Ray's autoscaler for more on demand (docs/autoscaling.md).
+    up = _tpuray("emulate", "up", "--topology", "2x2", "--head-cpus", "1", "--num-slices", "1",
+                 "--autoscale", "--max-slices", "TPU-V6E:2x2=1", *state)  # fmt: skip
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "EMULATED" in up.stdout and "emulated-v6e-4-0" in up.stdout
+        assert "autoscale: tpu-v6e-4 (TPU-V6E 2x2, 1 host(s)) x 1" in up.stdout
         from tpuray.emulator.detached import read_state
 
         info = read_state(tmp_path)

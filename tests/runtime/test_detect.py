@@ -75,7 +75,7 @@ def test_probe_answer_is_inherited_from_the_parent(stand_in) -> None:
 
 HOST_ENV = """
 import json
-from tpuray.emulator.cluster import _torch_tpu_env
+from tpuray.emulator.hosts import _torch_tpu_env
 from tpuray.runtime import detect
 print(json.dumps({"env": _torch_tpu_env(), "shim": str(detect.SHIM_DIR)}))
 """

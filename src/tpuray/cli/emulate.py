@@ -27,11 +27,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--accelerator-type", default="TPU-V6E", help="e.g. TPU-V6E, v5e, TPU-V4 (default TPU-V6E)"
     )
     p.add_argument("--topology", default="2x2", help="slice topology, e.g. 2x2, 4x4, 2x2x1 (default 2x2)")
-    p.add_argument("--num-slices", type=int, default=1, help="number of slices (default 1)")
+    p.add_argument(
+        "--num-slices",
+        type=int,
+        default=None,
+        help="number of slices started now (default 1; with --autoscale: 0, slices come on demand)",
+    )
     p.add_argument("--head-cpus", type=int, default=4, help="logical CPUs of the CPU-only head node")
     p.add_argument("--cpus-per-chip", type=int, default=2, help="logical CPUs per emulated chip")
     p.add_argument(
         "--state-dir", default=None, help="where the running cluster is recorded (~/.tpuray/emulator)"
+    )
+    a = p.add_argument_group(
+        "autoscale (up)",
+        "slices on demand: Ray's own autoscaler starts a whole emulated slice (every host, or none) for each "
+        "pending slice reservation (tpuray's or Ray's SlicePlacementGroup, a TorchTrainer(use_tpu=True), a "
+        "serving replica on a slice) and stops a slice once all its hosts have been idle --idle-timeout-s; "
+        "a preempted host takes its whole slice down and a new one comes up for pending work. See "
+        "docs/autoscaling.md",
+    )
+    a.add_argument("--autoscale", action="store_true", help="start the head with Ray's autoscaler")
+    a.add_argument(
+        "--max-slices",
+        action="append",
+        default=None,
+        metavar="TYPE:TOPOLOGY=N",
+        help="a slice shape the autoscaler may start, at most N at once, e.g. TPU-V6E:4x4=2 (repeat for "
+        "several shapes; required with --autoscale)",
+    )
+    a.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=None,
+        help="stop a slice once all its hosts have been idle this long (default 60)",
     )
     g = p.add_argument_group(
         "preempt",
@@ -54,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from tpuray.emulator import detached
 
     if args.action == "up":
-        check_positive_int("--num-slices", args.num_slices)
+        autoscale = _autoscale_args(args)
         try:
             state = detached.up(
                 args.accelerator_type,
@@ -63,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 head_cpus=args.head_cpus,
                 cpus_per_chip=args.cpus_per_chip,
                 path=args.state_dir,
+                autoscale=autoscale,
             )
         except RuntimeError as e:
             print(f"tpuray emulate up: {e}")
@@ -110,8 +139,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _autoscale_args(args: argparse.Namespace) -> dict | None:
+    """--autoscale's settings (validated before anything starts), or None; fills --num-slices' default."""
+    if not args.autoscale:
+        if args.max_slices is not None or args.idle_timeout_s is not None:
+            raise UsageError("--max-slices and --idle-timeout-s are only valid with --autoscale")
+        args.num_slices = 1 if args.num_slices is None else args.num_slices
+        check_positive_int("--num-slices", args.num_slices)
+        return None
+    from tpuray.emulator.autoscale import AutoscaleSpec, parse_max_slices
+
+    if not args.max_slices:
+        raise UsageError("--autoscale needs --max-slices TYPE:TOPOLOGY=N (e.g. TPU-V6E:4x4=2)")
+    args.num_slices = 0 if args.num_slices is None else args.num_slices
+    check_positive_int("--num-slices", args.num_slices, minimum=0)
+    idle = 60.0 if args.idle_timeout_s is None else args.idle_timeout_s
+    AutoscaleSpec(parse_max_slices(args.max_slices), idle)  # ConfigError naming the bad value
+    return {"max_slices": list(args.max_slices), "idle_timeout_s": idle}
+
+
 def _print_state(state: dict) -> None:
     print(f"  address: {state['address']}")
+    if state.get("autoscale"):
+        print(f"  autoscale: {state['autoscale']} (see `tpuray status` for slices on demand)")
     for s in state["slices"]:
         print(
             f"  slice {s['name']}: {s['accelerator_type']} {s['topology']} ({s['pod_type']}), "

@@ -8,143 +8,28 @@ node also carries `tpuray.io/emulated=true` and `TPURAY_EMULATION=1` (in every w
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import threading
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tpuray.constants import ROLE_LABEL, VLLM_PLATFORM_ENV
+from tpuray.constants import ROLE_LABEL
+from tpuray.emulator.autoscale import AutoscaleSpec, autoscaling_head, published_slices
+from tpuray.emulator.hosts import (
+    _GCS_SYSTEM_CONFIG,
+    _add_node_with_retry,
+    _host_environ,
+    _kill_pids,
+    _refuse_on_real_tpu,
+    _torch_tpu_env,
+    _vllm_env,
+    start_host,
+)
 from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
 from tpuray.validation import ConfigError, check_positive_int
 
 logger = logging.getLogger(__name__)
-
-_ENV_LOCK = threading.Lock()
-
-
-@contextmanager
-def _host_environ(env: dict[str, str]) -> Iterator[None]:
-    """Ray resolves a node's TPU resources/labels from os.environ of the process starting it."""
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-def _torch_tpu_env() -> dict[str, str]:
-    """The torch_tpu part of every emulated host's env. Where torch_tpu is installed: probe it once here
-    (seconds) and hand the answer to every host, so that their workers do not each probe again; warn when
-    it blocks emulation. Where it is not: tpuray's emulated torch_tpu on the hosts' PYTHONPATH."""
-    from tpuray.runtime.detect import (
-        PROBE_ENV,
-        emulation_blocked_reason,
-        torch_tpu_installed,
-        torch_tpu_usable,
-    )
-
-    if not torch_tpu_installed():
-        # Ray's own TPU code (ray.train's use_tpu path) imports torch_tpu: emulated hosts get tpuray's
-        # emulated torch_tpu on their import path (never where a real one is installed).
-        from tpuray.runtime.detect import SHIM_DIR
-
-        path = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        return {"PYTHONPATH": path}
-    env = {PROBE_ENV: "1" if torch_tpu_usable() else "0"}
-    blocked = emulation_blocked_reason()
-    if blocked:
-        logger.warning("emulated TPU hosts will not have an emulated tpu device: %s", blocked)
-    return env
-
-
-def _refuse_on_real_tpu() -> None:
-    """An emulated slice on a machine with usable TPU chips would hand its workers the real chips under
-    emulated labels: refuse, before anything starts."""
-    from tpuray.runtime.detect import torch_tpu_usable
-
-    if torch_tpu_usable():
-        raise ConfigError(
-            "this machine has usable TPU chips (torch_tpu works here): tpuray emulates TPU slices only "
-            "where there are none. Run on the chips directly (`ray start` on the TPU VM, see docs/real-tpu.md)"
-        )
-
-
-def _vllm_env() -> dict[str, str]:
-    """vLLM on an emulated cluster (every node, the CPU head included, where serving replicas and vLLM's
-    engine core run): vLLM's platform is tpuray's EmulatedTpuPlatform (its CPU backend, scheduled one
-    worker per emulated chip), and each vLLM CPU worker takes a 1 GiB KV cache unless set otherwise,
-    like the emulated hosts' 4 GiB of memory. Ray Serve LLM's TPU path then runs unchanged."""
-    from tpuray.serve.llm.engine.vllm.plugin import EMULATED_TPU
-
-    return {
-        VLLM_PLATFORM_ENV: EMULATED_TPU,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-
-
-# The GCS health-checks every raylet each `health_check_period_ms` and declares it dead after
-# `health_check_failure_threshold` failures in a row. Ray's default period (3 s) makes a killed emulated host
-# (kill_host, a preemption's kill) take ~15 s to be seen dead; every emulated host is a local process, so a
-# refused check is certain and a short period is enough (~2.5 s). A live but busy raylet still needs 5
-# checks timing out (Ray's default timeout and threshold) before it is declared dead.
-_GCS_SYSTEM_CONFIG = {"health_check_period_ms": 500}
-
-
-def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> Any:
-    """cluster.add_node, retried when Ray's fixed 30 s node-registration wait runs out (a loaded machine).
-
-    A node that timed out is stopped before the retry, so no half-started raylet is left behind.
-    Call with _ENV_LOCK held (it swaps ray's Node class to keep a handle on the node being started).
-    """
-    import ray._private.node as ray_node
-
-    base = ray_node.Node
-    started: list[Any] = []
-
-    class _TrackedNode(base):  # type: ignore[misc, valid-type]
-        def _register_shutdown_hooks(self) -> None:
-            # Python takes signal handlers in the main thread only: a node started from another thread
-            # (an emulated preemption's replacement) gets the atexit clean-up alone.
-            if threading.current_thread() is threading.main_thread():
-                super()._register_shutdown_hooks()
-            else:
-                atexit.register(lambda: self.kill_all_processes(check_alive=False, allow_graceful=True))
-
-        def start_head_processes(self) -> None:
-            started.append(self)
-            super().start_head_processes()
-
-        def start_ray_processes(self) -> None:
-            if self not in started:
-                started.append(self)
-            super().start_ray_processes()
-
-    for attempt in range(1, attempts + 1):
-        started.clear()
-        ray_node.Node = _TrackedNode
-        try:
-            return cluster.add_node(**node_args)
-        except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == attempts:
-                for node in started:
-                    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-                raise
-            logger.warning("emulated node start timed out (attempt %d/%d); retrying", attempt, attempts)
-            for node in started:
-                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-        finally:
-            ray_node.Node = base
-    raise AssertionError("unreachable")
 
 
 class EmulatedCluster:
@@ -165,10 +50,21 @@ class EmulatedCluster:
         name_prefix: str = "emulated",
         connect: bool = False,
         include_dashboard: bool = False,
+        autoscale: bool = False,
+        max_slices: Mapping[tuple[str, str], int] | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         if isinstance(slices, SliceRequest):
             slices = [slices]
         self.requests: list[SliceRequest] = list(slices)
+        # Slices on demand (Ray's autoscaler; tpuray.emulator.autoscale): None = a fixed cluster.
+        self.autoscale: AutoscaleSpec | None = None
+        if autoscale:
+            self.autoscale = AutoscaleSpec(
+                max_slices or {}, 60.0 if idle_timeout_s is None else idle_timeout_s
+            )
+        elif max_slices is not None or idle_timeout_s is not None:
+            raise ConfigError("max_slices and idle_timeout_s are only valid with autoscale=True")
         check_positive_int("head_cpus", head_cpus, minimum=0)
         if host_memory_gb <= 0:
             raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
@@ -182,11 +78,16 @@ class EmulatedCluster:
         self.include_dashboard = include_dashboard
         self._connect_on_enter = connect
         # Validate the whole plan before starting anything.
-        self.slices: list[EmulatedSlice] = plan_slices(
-            self.requests, "127.0.0.1", name_prefix, cpus_per_chip, self.host_memory_bytes
-        )
+        self.slices: list[EmulatedSlice] = self._plan("127.0.0.1")
         self._cluster: Any = None
+        self._config_dir: tempfile.TemporaryDirectory[str] | None = None
         self._extra_host_env: dict[str, str] = {}  # set at start (torch_tpu probe result)
+
+    def _plan(self, ip: str) -> list[EmulatedSlice]:
+        if self.autoscale is not None and not self.requests:
+            check_positive_int("cpus_per_chip", self.cpus_per_chip)
+            return []  # an autoscaling cluster may start with no slice at all
+        return plan_slices(self.requests, ip, self.name_prefix, self.cpus_per_chip, self.host_memory_bytes)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -212,21 +113,19 @@ class EmulatedCluster:
         cluster = Cluster(shutdown_at_exit=True)
         self._cluster = cluster
         try:
-            with _host_environ({}):
+            head_env, head_args = self._autoscale_head()
+            with _host_environ(head_env):
                 _add_node_with_retry(
                     cluster,
                     num_cpus=self.head_cpus,
                     include_dashboard=self.include_dashboard,
                     object_store_memory=self.object_store_bytes,
-                    env_vars=_vllm_env(),
                     labels={ROLE_LABEL: "head"},
                     _system_config=dict(_GCS_SYSTEM_CONFIG),
+                    **head_args,
                 )
-            ip = ray.util.get_node_ip_address()
             # Hostnames: every emulated host lives on this machine, so they all resolve to its IP.
-            self.slices = plan_slices(
-                self.requests, ip, self.name_prefix, self.cpus_per_chip, self.host_memory_bytes
-            )
+            self.slices = self._plan(ray.util.get_node_ip_address())
             for sl in self.slices:
                 sl.node_ids = [self._add_host(host).node_id for host in sl.hosts]
             cluster.wait_for_nodes()
@@ -236,37 +135,97 @@ class EmulatedCluster:
         logger.info("emulated TPU cluster up at %s (%d emulated hosts)", self.address, self.num_hosts)
         return self
 
+    def _autoscale_head(self) -> tuple[dict[str, str], dict[str, Any]]:
+        """The head's start env and arguments; for an autoscaling cluster, Ray's autoscaler config."""
+        if self.autoscale is None:
+            return {}, {"env_vars": _vllm_env()}
+        self._config_dir = tempfile.TemporaryDirectory(prefix="tpuray-autoscale-")
+        provider = {
+            "host_env": {**self._extra_host_env, **_vllm_env()},
+            "cpus_per_chip": self.cpus_per_chip,
+            "host_memory_bytes": self.host_memory_bytes,
+            "object_store_bytes": self.object_store_bytes,
+            "name_prefix": f"{self.name_prefix}-auto",
+        }
+        env, args = autoscaling_head(self.autoscale, self.head_cpus, provider, self._config_dir.name)
+        return env, {**args, "env_vars": {**_vllm_env(), **args["env_vars"]}}
+
     def _add_host(self, host: HostSpec) -> Any:
-        env = {**host.env, **self._extra_host_env, **_vllm_env()}
-        with _host_environ(env):
-            return _add_node_with_retry(
-                self._cluster,
-                num_cpus=host.num_cpus,
-                memory=host.memory,
-                object_store_memory=self.object_store_bytes,
-                resources=dict(host.resources),
-                labels=dict(host.labels),
-                env_vars=env,
-                node_name=host.node_name,
-            )
+        return start_host(
+            self._cluster, host, {**self._extra_host_env, **_vllm_env()}, self.object_store_bytes
+        )
+
+    def add_slices(self, request: SliceRequest) -> list[EmulatedSlice]:
+        """Start `request.count` more slices by hand on the running cluster (their names continue the
+        numbering of their pod type); returns them once every host has joined."""
+        import ray
+
+        if self._cluster is None:
+            raise RuntimeError("emulated cluster is not running: call start() first")
+        planned = plan_slices(
+            [*self.requests, request],
+            ray.util.get_node_ip_address(),
+            self.name_prefix,
+            self.cpus_per_chip,
+            self.host_memory_bytes,
+        )
+        added = planned[-request.count :]  # the plan follows the requests: the new ones come last
+        self.requests.append(request)
+        for sl in added:
+            self.slices.append(sl)
+            sl.node_ids = [self._add_host(host).node_id for host in sl.hosts]
+        self._cluster.wait_for_nodes()
+        return added
+
+    def remove_slice(self, name: str) -> None:
+        """Stop every host of a slice started by hand (gracefully, as a released node) and forget it."""
+        sl = next((s for s in self.slices if s.name == name), None)
+        if sl is None or self._cluster is None:
+            raise ConfigError(f"no emulated slice {name!r} started by hand in {self!r}")
+        for node in [n for n in self._cluster.list_all_nodes() if n.node_id in sl.node_ids]:
+            self._cluster.remove_node(node, allow_graceful=True)
+        self.slices.remove(sl)
 
     def kill_host(self, node_id: str, timeout_s: float = 120.0) -> tuple[str, int]:
         """Hard-kill one emulated TPU host (its raylet and workers), as a host failure would.
 
         Returns once Ray reports the node dead, with the (slice name, worker id) token `restore_host` takes.
         """
-        sl = self._slice_of(node_id)
-        worker_id = sl.node_ids.index(node_id)
-        node = next(n for n in self._cluster.list_all_nodes() if n.node_id == node_id)
-        logger.info("killing emulated TPU host %s worker %d (node %s)", sl.name, worker_id, node_id)
-        self._cluster.remove_node(node, allow_graceful=False)
+        auto = self._autoscaled_host(node_id)
+        if auto is not None:  # started by Ray's autoscaler (in its monitor process): kill its raylet
+            name, worker_id, pid = auto
+            logger.info("killing emulated TPU host %s worker %d (node %s)", name, worker_id, node_id)
+            _kill_pids([pid])
+        else:
+            sl = self._slice_of(node_id)
+            name, worker_id = sl.name, sl.node_ids.index(node_id)
+            node = next(n for n in self._cluster.list_all_nodes() if n.node_id == node_id)
+            logger.info("killing emulated TPU host %s worker %d (node %s)", name, worker_id, node_id)
+            self._cluster.remove_node(node, allow_graceful=False)
         # The GCS notices a dead raylet by missed health checks; wait so callers see a consistent cluster.
         deadline = time.monotonic() + timeout_s
         while self._node_alive(node_id):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"GCS still reports killed node {node_id} alive after {timeout_s}s")
             time.sleep(0.2)
-        return sl.name, worker_id
+        return name, worker_id
+
+    def _autoscaled_host(self, node_id: str) -> tuple[str, int, int] | None:
+        """(slice name, worker id, raylet pid) of a running host started by Ray's autoscaler, else None."""
+        for name, s in self.autoscaled_slices().items():
+            if node_id in s["raylet_pids"]:
+                return name, s["node_ids"].index(node_id), s["raylet_pids"][node_id]
+        return None
+
+    def _check_preemptible(self, node_ids: list[str], restore_after_s: float | None) -> None:
+        if self._autoscaled_host(node_ids[0]) is None:
+            for node_id in node_ids:
+                self._slice_of(node_id)
+        elif restore_after_s is not None:
+            raise ConfigError(
+                f"restore_after_s={restore_after_s!r}: a host started by Ray's autoscaler is not restored; "
+                "its slice goes down whole and the autoscaler starts a new one for pending work (use None)"
+            )
 
     def _slice_of(self, node_id: str) -> EmulatedSlice:
         for sl in self.slices:
@@ -298,20 +257,19 @@ class EmulatedCluster:
         later (None: never; call `.restore()` on the returned `Preemption`)."""
         from tpuray.emulator.preemption import Preemption
 
-        self._slice_of(node_id)
+        self._check_preemptible([node_id], restore_after_s)
         return Preemption(self, [node_id], notice_s, restore_after_s)
 
     def preempt_slice(self, name: str, notice_s: float = 30.0, restore_after_s: float | None = None) -> Any:
         """Emulated preemption of a whole slice (every host at once, as GKE reclaims a TPU slice)."""
         from tpuray.emulator.preemption import Preemption
 
-        sl = next((s for s in self.slices if s.name == name), None)
-        if sl is None:
-            names = [s.name for s in self.slices]
-            raise ConfigError(f"no emulated slice {name!r} in this cluster; slices: {names}")
-        return Preemption(
-            self, list(sl.node_ids), notice_s, restore_after_s, f"emulated preemption of {name}"
-        )
+        ids = {s.name: list(s.node_ids) for s in self.slices}
+        ids.update({n: list(s["raylet_pids"]) for n, s in self.autoscaled_slices().items()})
+        if not ids.get(name):
+            raise ConfigError(f"no emulated slice {name!r} in this cluster; slices: {sorted(ids)}")
+        self._check_preemptible(ids[name], restore_after_s)
+        return Preemption(self, ids[name], notice_s, restore_after_s, f"emulated preemption of {name}")
 
     def connect(self, namespace: str | None = None, **init_kwargs: Any) -> Any:
         """ray.init() this process to the emulated cluster (the driver lives on the CPU head)."""
@@ -343,14 +301,20 @@ class EmulatedCluster:
             if same:
                 ray.shutdown()
         nodes = cluster.list_all_nodes()
+        autoscaled = self._autoscaled_pids(cluster.address)
         try:
             cluster.shutdown()
         finally:
             alive = [n for n in nodes if n.any_processes_alive()]
             for node in alive:
                 node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            # The autoscaler's hosts die with Ray's monitor (they share its fate); make sure of it.
+            _kill_pids(autoscaled)
             for sl in self.slices:
                 sl.node_ids = []
+            if self._config_dir is not None:
+                self._config_dir.cleanup()
+                self._config_dir = None
         logger.info("emulated TPU cluster stopped")
 
     def __enter__(self) -> EmulatedCluster:
@@ -373,13 +337,35 @@ class EmulatedCluster:
             for node in self._cluster.list_all_nodes()
             for infos in node.all_processes.values()
             for info in infos
-        ]
+        ] + self._autoscaled_pids(self.address)
+
+    def _autoscaled_pids(self, address: str) -> list[int]:
+        if self.autoscale is None:
+            return []
+        try:
+            return [p for s in published_slices(address).values() for p in s["pids"]]
+        except Exception as e:  # a GCS already gone: nothing more to learn
+            logger.warning("could not read the autoscaled slices: %s", e)
+            return []
+
+    def autoscaled_slices(self) -> dict[str, dict[str, Any]]:
+        """The slices Ray's autoscaler runs now ({name: {node_type, state, node_ids, ...}}; state is
+        starting, up or stopping); {} for a cluster without autoscale."""
+        if self.autoscale is None or self._cluster is None:
+            return {}
+        return published_slices(self.address)
 
     @property
     def num_hosts(self) -> int:
         return sum(len(sl.hosts) for sl in self.slices)
 
     def describe(self) -> str:
+        if self.autoscale is not None:
+            fixed = f"; fixed: {len(self.slices)} slice(s)" if self.requests else ""
+            return (
+                f"emulated TPU, autoscaling (Ray's autoscaler; idle_timeout_s={self.autoscale.idle_timeout_s:g}): "
+                f"{self.autoscale.describe()}{fixed}"
+            )
         parts = []
         for r in self.requests:
             t = r.slice_topology

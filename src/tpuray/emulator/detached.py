@@ -69,11 +69,19 @@ def up(
     cpus_per_chip: int = 2,
     path: str | os.PathLike | None = None,
     timeout_s: float = 300.0,
+    autoscale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Start a detached emulated cluster and return its state once it is ready."""
+    """Start a detached emulated cluster and return its state once it is ready. `autoscale`:
+    {"max_slices": ["TYPE:TOPOLOGY=N", ...], "idle_timeout_s": s} for slices on demand (then
+    `num_slices` may be 0)."""
+    from tpuray.emulator.autoscale import AutoscaleSpec, parse_max_slices
     from tpuray.emulator.spec import SliceRequest
 
-    SliceRequest(accelerator_type, topology, num_slices)  # validate before starting anything
+    # Validate before starting anything.
+    if autoscale is None or num_slices:
+        SliceRequest(accelerator_type, topology, num_slices)
+    if autoscale is not None:
+        AutoscaleSpec(parse_max_slices(autoscale["max_slices"]), autoscale["idle_timeout_s"])
     check_positive_int("head_cpus", head_cpus, minimum=0)
     check_positive_int("cpus_per_chip", cpus_per_chip)
     directory = state_dir(path)
@@ -88,6 +96,9 @@ def up(
     cmd = [sys.executable, "-m", "tpuray.emulator.detached", "--state-dir", str(directory)]
     cmd += ["--accelerator-type", accelerator_type, "--topology", topology, "--num-slices", str(num_slices)]
     cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip)]
+    if autoscale is not None:
+        cmd += ["--idle-timeout-s", str(autoscale["idle_timeout_s"])]
+        cmd += [f"--max-slices={item}" for item in autoscale["max_slices"]]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -191,6 +202,7 @@ def _state(cluster: Any) -> dict[str, Any]:
         "emulated": True,
         "address": cluster.address,
         "description": cluster.describe(),
+        "autoscale": cluster.autoscale.describe() if cluster.autoscale is not None else None,
         "ray_pids": cluster.pids(),
         "slices": [
             {
@@ -216,14 +228,26 @@ def _write_state(directory: Path, state: dict[str, Any]) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from tpuray.emulator.autoscale import parse_max_slices
     from tpuray.emulator.cluster import EmulatedCluster
     from tpuray.emulator.spec import SliceRequest
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     directory = Path(args.state_dir)
     stop = threading.Event()
-    request = SliceRequest(args.accelerator_type, args.topology, args.num_slices)
-    cluster = EmulatedCluster([request], head_cpus=args.head_cpus, cpus_per_chip=args.cpus_per_chip)
+    requests = (
+        [SliceRequest(args.accelerator_type, args.topology, args.num_slices)] if args.num_slices else []
+    )
+    autoscale: dict[str, Any] = {}
+    if args.max_slices:
+        autoscale = {
+            "autoscale": True,
+            "max_slices": parse_max_slices(args.max_slices),
+            "idle_timeout_s": args.idle_timeout_s,
+        }
+    cluster = EmulatedCluster(
+        requests, head_cpus=args.head_cpus, cpus_per_chip=args.cpus_per_chip, **autoscale
+    )
     with cluster:
         # After start: Ray's node start installs its own SIGTERM handler; ours shuts down cleanly.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -253,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-slices", type=int, default=1)
     p.add_argument("--head-cpus", type=int, default=4)
     p.add_argument("--cpus-per-chip", type=int, default=2)
+    p.add_argument("--max-slices", action="append", default=None)
+    p.add_argument("--idle-timeout-s", type=float, default=60.0)
     return _serve(p.parse_args(argv))
 
 

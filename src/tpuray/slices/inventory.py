@@ -124,3 +124,21 @@ def format_slices(slices: list[SliceInfo]) -> str:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def pending_slice_demand() -> dict[str, int]:
+    """Slices asked for but not placed yet: pending (or rescheduling) placement groups that hold a slice
+    head bundle ({"TPU-<pod type>-head": 1}, what Ray's and tpuray's SlicePlacementGroup reserve first),
+    counted by pod type ({"v6e-16": 2}). This is the demand Ray's autoscaler turns into slices."""
+    import ray
+
+    demand: dict[str, int] = {}
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("state") not in ("PENDING", "RESCHEDULING"):
+            continue
+        for bundle in pg.get("bundles", {}).values():
+            for key in bundle:
+                if key.startswith("TPU-") and key.endswith("-head"):
+                    pod_type = key[len("TPU-") : -len("-head")]
+                    demand[pod_type] = demand.get(pod_type, 0) + 1
+    return demand

@@ -24,6 +24,7 @@ from tpuray.constants import (
     TPU_RESOURCE,
     WORKER_ID_LABEL,
 )
+from tpuray.emulator.autoscale import check_slices_can_come
 from tpuray.slices.inventory import format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
@@ -136,11 +137,10 @@ class SlicePlacementGroup:
         topo, start = self._topology, time.monotonic()
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
         # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
-        idle = [
-            s.name
-            for s in list_slices()
-            if s.pod_type == topo.pod_type and s.idle and s.intact and not s.draining
-        ]
+        same = [s for s in list_slices() if s.pod_type == topo.pod_type]
+        shape = f"{topo.generation.accelerator_type} {topo.topology}"
+        check_slices_can_come(topo.pod_type, shape, self._num_slices, [s.name for s in same])
+        idle = [s.name for s in same if s.idle and s.intact and not s.draining]
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
         for i in range(self._num_slices):

@@ -1,0 +1,185 @@
+"""Slices on demand: Ray's autoscaler starts and stops whole emulated slices (tpuray.emulator.autoscale).
+
+One autoscaling cluster for the module (started after the default cluster is shut down), small slice
+shapes: a v4 2x2x2 (two hosts) and a v6e 2x2 (one host), idle timeout 2 s, Ray's monitor every second.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.tpu import SlicePlacementGroup as RaySlicePlacementGroup
+
+from _util import live_placement_groups
+from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
+from tpuray.emulator import EmulatedCluster
+from tpuray.emulator.churn import audit, run_churn
+from tpuray.emulator.detached import _alive
+from tpuray.slices.placement import SlicePlacementGroup
+from tpuray.validation import ConfigError
+
+V4 = ("TPU-V4", "2x2x2")  # 2 hosts x 4 chips: the smallest multi-host slice
+V6E = ("TPU-V6E", "2x2")  # 1 host x 4 chips
+V5E = ("TPU-V5E", "2x2")  # 1 host x 4 chips
+
+
+@pytest.fixture(scope="module")
+def autoscaling(cluster_manager) -> Iterator[EmulatedCluster]:  # type: ignore[no-untyped-def]
+    cluster_manager.shutdown()
+    cluster = EmulatedCluster(
+        [], head_cpus=2, cpus_per_chip=1, autoscale=True, max_slices={V4: 1, V6E: 2, V5E: 1}, idle_timeout_s=2
+    )
+    with cluster:
+        cluster.connect()
+        yield cluster
+        pids = cluster.pids()
+    assert not [p for p in pids if _alive(p)], "processes left after shutdown"
+
+
+def wait_for(what, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+    """Poll `what()` until truthy (returns it); the timeout only bounds a failing test."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := what()):
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def check_whole(cluster: EmulatedCluster) -> dict[str, list[str]]:
+    """The invariant (tpuray.emulator.churn.audit): no partial slice, no leaked TPU node. Returns the
+    whole slices ({name: alive node ids})."""
+    seen = audit(cluster)
+    assert seen.ok, seen
+    return seen.whole
+
+
+def test_bad_autoscale_settings_raise_before_starting() -> None:
+    with pytest.raises(
+        ConfigError, match=r"autoscale=True needs max_slices=\{\(accelerator type, topology\): N"
+    ):
+        EmulatedCluster([], autoscale=True)
+    with pytest.raises(ConfigError, match="only valid with autoscale=True"):
+        EmulatedCluster([], idle_timeout_s=5)
+    with pytest.raises(ValueError, match="3x3"):
+        EmulatedCluster([], autoscale=True, max_slices={("TPU-V6E", "3x3"): 1})
+    with pytest.raises(ConfigError, match="same slice shape twice"):
+        EmulatedCluster([], autoscale=True, max_slices={("v6e", "2x2"): 1, ("TPU-V6E", "2x2"): 1})
+    with pytest.raises(ConfigError, match="idle_timeout_s=-1 is invalid"):
+        EmulatedCluster([], autoscale=True, max_slices={V6E: 1}, idle_timeout_s=-1)
+
+
+def test_pending_reservations_bring_whole_slices_and_idle_slices_go(autoscaling: EmulatedCluster) -> None:
+    assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}
+    # Shapes no node type brings fail at once, naming the shape and the node types; nothing is reserved.
+    with pytest.raises(ConfigError, match=r"1 x TPU-V6E 4x4 \(pod type v6e-16\) can never be reserved") as e:
+        SlicePlacementGroup("4x4", "v6e", timeout_s=180)
+    assert "tpu-v4-16 (TPU-V4 2x2x2, at most 1), tpu-v6e-4 (TPU-V6E 2x2, at most 2)" in str(e.value)
+    assert "v5litepod" in str(e.value)
+    with pytest.raises(ConfigError, match=r"3 x TPU-V6E 2x2 \(pod type v6e-4\) can never"):
+        SlicePlacementGroup("2x2", "v6e", num_slices=3, timeout_s=180)
+    assert not live_placement_groups()
+    # Ray's own SlicePlacementGroup asks for a multi-host slice the same way (its head bundle first).
+    ray_spg = RaySlicePlacementGroup("2x2x2", "v4")
+    assert ray.get(ray_spg.placement_group.ready(), timeout=180)
+    assert [s["node_type"] for s in autoscaling.autoscaled_slices().values()] == ["tpu-v4-16"]
+    check_whole(autoscaling)
+    ray_spg.shutdown()
+    spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)  # the idle slice, or (idled out) a new one
+    (name,) = spg._slice_names
+    alive = check_whole(autoscaling)
+    assert list(alive) == [name] and len(alive[name]) == 2
+    assert autoscaling.autoscaled_slices()[name]["node_type"] == "tpu-v4-16"
+    # Two pending v6e reservations at once (one placement group each): two slices, one per reservation.
+    two = SlicePlacementGroup("2x2", "v6e", num_slices=2, timeout_s=180)
+    assert len(set(two._slice_names)) == 2
+    assert sorted(s["node_type"] for s in autoscaling.autoscaled_slices().values()) == [
+        "tpu-v4-16",
+        "tpu-v6e-4",
+        "tpu-v6e-4",
+    ]
+    check_whole(autoscaling)
+    # A third v6e reservation is over max_slices: it waits, and `tpuray status` shows it as demand.
+    extra = placement_group([{"TPU-v6e-4-head": 1}])
+    status = subprocess.run(
+        [sys.executable, "-m", "tpuray.cli", "status", "--address", autoscaling.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    assert "pending slice demand: 1 x v6e-4" in status.stdout
+    assert f"  {name}: tpu-v4-16, in use" in status.stdout
+    assert "TPU-V6E 2x2 (tpu-v6e-4) <= 2" in status.stdout
+    remove_placement_group(extra)
+    two.shutdown()
+    spg.shutdown()
+    wait_for(lambda: not autoscaling.autoscaled_slices())  # idle_timeout_s later: all gone, whole
+    assert check_whole(autoscaling) == {}
+
+
+def autoscaler_round_after(ts: float) -> bool:
+    """Whether Ray's monitor has finished an autoscaler round that started after UNIX time `ts`."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    return bool(raw) and json.loads(raw)["time"] > ts
+
+
+@ray.remote(num_cpus=0, resources={"TPU": 1})
+class OnHost:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_busy_host_keeps_its_slice_and_a_lost_host_takes_its_slice_down(
+    autoscaling: EmulatedCluster,
+) -> None:
+    spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)
+    (name,) = spg._slice_names
+    spg.shutdown()
+    node_ids = autoscaling.autoscaled_slices()[name]["node_ids"]
+    # Worker 1 busy, worker 0 idle: the slice outlives idle_timeout_s (a few autoscaler rounds past it).
+    busy = OnHost.options(label_selector={SLICE_NAME_LABEL: name, WORKER_ID_LABEL: "1"}).remote()
+    assert ray.get(busy.node.remote(), timeout=60) == node_ids[1]
+    past_idle = time.time() + 2 * autoscaling.autoscale.idle_timeout_s  # type: ignore[union-attr]
+    wait_for(lambda: autoscaler_round_after(past_idle))
+    assert list(check_whole(autoscaling)) == [name]
+    ray.kill(busy)
+    wait_for(lambda: not autoscaling.autoscaled_slices())  # then it goes, both hosts at once
+    assert check_whole(autoscaling) == {}
+
+    # A reservation holds a new slice; one of its hosts is preempted: the whole slice goes, and Ray's
+    # autoscaler brings a replacement up for the reservation's head, pending again.
+    spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)
+    (lost,) = spg._slice_names
+    lost_ids = autoscaling.autoscaled_slices()[lost]["node_ids"]
+    with pytest.raises(ConfigError, match="not restored"):
+        autoscaling.preempt_host(lost_ids[1], notice_s=0, restore_after_s=0)
+    autoscaling.preempt_host(lost_ids[1], notice_s=0).wait_killed(timeout_s=60)
+    wait_for(lambda: lost not in autoscaling.autoscaled_slices())  # the provider's next round
+    wait_for(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] in lost_ids))
+    (new,) = wait_for(lambda: list(check_whole(autoscaling)))
+    head_pg = spg._head_pgs[0]
+    new_ids = autoscaling.autoscaled_slices()[new]["node_ids"]
+    wait_for(lambda: placement_group_table(head_pg)["bundles_to_node_id"].get(0) == new_ids[0])
+    spg.shutdown()
+    wait_for(lambda: not autoscaling.autoscaled_slices())
+    assert check_whole(autoscaling) == {}
+
+
+def test_seeded_random_schedule_keeps_slices_whole(autoscaling: EmulatedCluster) -> None:
+    """Reservations, releases and preemptions over 3 slice shapes in a seeded random order: after every
+    event, no partial slice and no leaked node (bench_autoscale.py runs 20 cycles; CI runs 3)."""
+    seen: list[str] = []
+    report = run_churn(autoscaling, [V4, V6E, V5E], cycles=3, seed=24, on_event=lambda e, _: seen.append(e))
+    assert report.partial == 0 and report.leaked == 0, report
+    assert report.audits == len(seen) >= 7 and seen[-1] == "all idle slices gone"
+    assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}
