@@ -84,17 +84,18 @@ cfg = LLMConfig(model_loading_config={"model_id": "tiny-hd8", "model_source": sy
 server = VLLMBackend(cfg)
 try:
     asyncio.run(server.start())
-    print("STARTED")
+    outcome = "STARTED"
 except RuntimeError as e:
-    print("REFUSED", e)
+    outcome = f"REFUSED {e}"
 finally:
+    with open(sys.argv[3], "w") as f:  # not stdout: vLLM's processes log there too, interleaved
+        f.write(outcome)
     server.shutdown()
-    sys.stdout.flush()
     os._exit(0)  # the dead engine's zmq context would block the interpreter's exit
 """
 
 
-def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir):
+def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir, tmp_path):
     """Past the config check (the backend built directly), vLLM starts for the head_dim 8 model and its
     engine core dies at the first generation: that is the warm-up in start(), so no replica serves it.
     In a child process: vLLM's client of a dead engine core leaves a zmq context whose clean-up blocks
@@ -104,14 +105,15 @@ def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir
     import subprocess
     import sys
 
+    result = tmp_path / "outcome.txt"
     out = subprocess.run(
-        [sys.executable, "-c", WARM_UP_CHILD, tiny_model_dir, json.dumps(KWARGS)],
+        [sys.executable, "-c", WARM_UP_CHILD, tiny_model_dir, json.dumps(KWARGS), str(result)],
         capture_output=True,
         text=True,
         timeout=240,
         env=dict(os.environ),
     )
-    refused = [line for line in out.stdout.splitlines() if line.startswith(("REFUSED", "STARTED"))]
-    assert refused and refused[0].startswith("REFUSED"), (out.stdout[-2000:], out.stderr[-3000:])
-    assert "the vLLM engine failed its warm-up generation" in refused[0]
-    assert "EngineDeadError" in refused[0] and "'tiny-hd8'" in refused[0]
+    outcome = result.read_text() if result.exists() else ""
+    assert outcome.startswith("REFUSED"), (outcome, out.stdout[-2000:], out.stderr[-3000:])
+    assert "the vLLM engine failed its warm-up generation" in outcome
+    assert "EngineDeadError" in outcome and "'tiny-hd8'" in outcome

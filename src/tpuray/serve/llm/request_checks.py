@@ -9,6 +9,7 @@ so both engines give the same answer wherever both can honour a field:
 |---|---|
 | a top-level field that is `null` | unset (its default), as OpenAI's clients send it and vLLM's types read it |
 | text that is not valid Unicode (a lone surrogate such as `"\\ud800"`) anywhere in the body | 400 naming the field |
+| chat `messages` that is not a non-empty array of objects (`false`, `[]`, `[5]`) | 400 naming `messages` / `messages.i` (vLLM's types raise a TypeError on `false` and take `[]`) |
 | `messages[i].role` outside OpenAI's roles (ROLES) | 400 naming `messages.i.role` |
 | `/detokenize` `tokens` that are not integers (`1.5`, `"5"`, `true`) | 400 naming `tokens.i` (vLLM's types would coerce them) |
 | `stop` with more than MAX_STOP strings | 400 naming `stop` (OpenAI's and vLLM's limit) |
@@ -112,12 +113,24 @@ def _check_text(value: Any, path: str) -> None:
             _check_text(v, f"{path}.{i}")
 
 
-def _check_roles(messages: Any) -> None:
+def _check_messages(endpoint: str, messages: Any) -> None:
+    if endpoint == "chat" and (not isinstance(messages, list) or not messages):
+        raise OpenAIError(
+            f"'messages' must be a non-empty array of message objects, got {json.dumps(messages)[:80]}",
+            param="messages",
+            code="invalid_value",
+        )
     if not isinstance(messages, list):
-        return  # the engine's protocol names the type error
+        return  # /tokenize: a prompt instead of messages; the engine's protocol names the type error
     for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if isinstance(m, dict) and "role" in m and role not in ROLES:
+        if not isinstance(m, dict):
+            raise OpenAIError(
+                f"messages[{i}] must be a message object, got {json.dumps(m)[:80]}",
+                param=f"messages.{i}",
+                code="invalid_value",
+            )
+        role = m.get("role")
+        if "role" in m and role not in ROLES:
             raise OpenAIError(
                 f"invalid role {role!r} in messages[{i}]; valid roles: {', '.join(ROLES)}",
                 param=f"messages.{i}.role",
@@ -135,7 +148,7 @@ def check_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     _check_text(body, "")
     body = {k: v for k, v in body.items() if v is not None}
     if endpoint in ("chat", "tokenize"):
-        _check_roles(body.get("messages"))
+        _check_messages(endpoint, body.get("messages"))
     tokens = body.get("tokens")
     if endpoint == "detokenize" and isinstance(tokens, list):
         bad = next((i for i, t in enumerate(tokens) if not _int(t)), None)
