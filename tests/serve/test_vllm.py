@@ -67,13 +67,13 @@ def configs(model_dir: str):
         accelerator_config={"kind": "tpu", "topology": "2x2"},
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
         engine_kwargs={"tensor_parallel_size": 4, **ENGINE_KWARGS},
-        # Serve replaces a replica after 3 failed checks in a row (test_a_dead_engine_core_...)
-        deployment_config={"health_check_period_s": 2},
     )
     tp1 = LLMConfig(
         model_loading_config={"model_id": TP1, "model_source": model_dir},
         llm_engine="vLLM",
         engine_kwargs=ENGINE_KWARGS,
+        # Serve replaces a replica after 3 failed checks in a row (test_a_dead_engine_core_...)
+        deployment_config={"health_check_period_s": 2},
     )
     return [tp4, tp1]
 
@@ -430,23 +430,22 @@ def test_unknown_engine_kwargs_fail_before_reserving(vllm_model_dir):
 
 def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
-    get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it
-    on a fresh slice reservation; the old replica's shutdown does not hang on the dead core's client."""
+    get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it;
+    the old replica's shutdown does not hang on the dead core's client. The one-chip model's replica (a
+    replacement starts in seconds, not the TP=4 slice's minute); a replacement's slice reservation is
+    released and retaken in test_engine_death.py (the embedded engine) and on deletion below (vLLM)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer:{TP4}", app_name="tpuray-vllm")
+    handle = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name="tpuray-vllm")
     old = handle.describe.remote().result()
     assert old["engine_core_pids"], old
-    load = Load(app[0] + "/v1/completions", TP4, headers={"Authorization": f"Bearer {API_KEY}"})
+    load = Load(app[0] + "/v1/completions", TP1, headers={"Authorization": f"Bearer {API_KEY}"})
     kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
     tally = asyncio.run(kill_under_load(load, kill))
     assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
+    assert tally.get("503"), tally  # the kill was seen
     new = handle.describe.remote().result()
-    assert new["placement_group_id"] != old["placement_group_id"]
-    assert old["placement_group_id"] not in live_placement_groups(), (
-        "the dead engine's slice was not released"
-    )
-    assert new["placement_group_id"] in live_placement_groups()
+    assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
 
 
 def test_deleting_the_app_releases_the_slice(app):
