@@ -27,10 +27,11 @@ def test_buckets_pick_and_pack():
     packs = pack_prefills(step, [0, 1, 2, 3], b, trash_slot=6)
     assert [p.rows for p in packs] == [[0, 1], [2, 3]]  # 2 x 699 fits 2048, a third does not
     p = packs[0]
-    assert p.tokens.shape == (2048,) and p.last_index.tolist()[:3] == [698, 1397, 0]
-    assert p.slots[1398:].eq(6).all() and p.segments[1398:].eq(-1).all()
+    tokens, _, segments, slots, last_index = p.inputs()
+    assert tokens.shape == (2048,) and last_index.tolist()[:3] == [698, 1397, 0]
+    assert slots[1398:].eq(6).all() and segments[1398:].eq(-1).all()
     d = decode_batches([(3, [9], 300, None)], [0], b, trash_slot=6)[0]
-    assert d.tokens.shape == (1,) and d.context_len == 1024
+    assert d.packed[0].shape == (1,) and d.context_len == 1024
 
 
 def _random_steps(seed: int, n: int = 12):

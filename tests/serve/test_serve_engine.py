@@ -58,11 +58,11 @@ def test_forward_matches_transformers_with_kv_cache(model, request):
         # two prompts packed in one prefill, then three batched decode steps
         step = [(0, [5, 6, 7, 8], 0, None), (3, [5, 6], 0, None)]
         p = pack_prefills(step, [0, 1], buckets, cache.trash_slot)[0]
-        first = m.prefill(p.tokens, p.positions, p.segments, p.slots, p.last_index, cache)
+        first = m.prefill(*p.inputs(), cache)
         for t in range(3):
             step = [(0, [9 + t], 4 + t, None), (3, [7 + t], 2 + t, None)]
             d = decode_batches(step, [0, 1], buckets, cache.trash_slot)[0]
-            out = m.decode(d.tokens, d.positions, d.slots, cache, d.context_len)
+            out = m.decode(*d.packed, cache, d.context_len)
         with torch.no_grad():
             ref = [
                 hf(torch.tensor([ids])).logits[0, -1] for ids in ([5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9])

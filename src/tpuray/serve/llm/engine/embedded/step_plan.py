@@ -106,25 +106,9 @@ class PrefillPack:
         """tokens, positions, segments, slots [T] and last_index [P] (views of `packed`)."""
         return packed[0], packed[1], packed[2], packed[3], packed[4, :num_prompts]
 
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.packed[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.packed[1]
-
-    @property
-    def segments(self) -> torch.Tensor:
-        return self.packed[2]
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return self.packed[3]
-
-    @property
-    def last_index(self) -> torch.Tensor:
-        return self.packed[4, : self.num_prompts]
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This pack's tokens, positions, segments, slots and last_index (views of `packed`)."""
+        return self.unpack(self.packed, self.num_prompts)
 
 
 @dataclass
@@ -134,18 +118,6 @@ class DecodeBatch:
     rows: list[int]
     packed: torch.Tensor  # [3, B]
     context_len: int  # L: cache positions read
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.packed[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.packed[1]
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return self.packed[2]
 
 
 def pack_prefills(batch: Step, rows: list[int], buckets: Buckets, trash_slot: int) -> list[PrefillPack]:
