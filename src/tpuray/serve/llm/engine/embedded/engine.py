@@ -182,9 +182,12 @@ class EmbeddedEngine(PromptEncoder):
     def _closed_error(self) -> EngineShutDownError:
         return EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
 
-    async def _launch(self, flight: Flight) -> Launched | int:
+    async def _launch(self, flight: Flight) -> Launched | int | None:
         """Start a step's programs: the in-process runner's handle, or the step's id (workers keep
-        their handles by id)."""
+        their handles by id). Synchronously (no async scheduling) nothing: `_collect` runs the step in
+        one call, as before async scheduling existed."""
+        if not self.async_scheduling:
+            return None
         if self.runner is not None:
             return await asyncio.to_thread(self.runner.launch, flight.batch, flight.need_logits)
         if self.group is None:
@@ -194,11 +197,17 @@ class EmbeddedEngine(PromptEncoder):
         return step_id
 
     async def _collect(self, flight: Flight) -> StepResult:
-        """A launched step's StepResult: from the in-process runner, or rank 0 of the group."""
+        """A launched step's StepResult (or a step's, launched here): from the in-process runner, or
+        rank 0 of the group."""
+        batch, need_logits, handle = flight.batch, flight.need_logits, flight.handle
         if self.runner is not None:
-            result = await asyncio.to_thread(self.runner.collect, flight.handle)
+            if handle is None:
+                result = await asyncio.to_thread(self.runner.step, batch, need_logits)
+            else:
+                result = await asyncio.to_thread(self.runner.collect, handle)
         elif self.group is not None:
-            result = (await asyncio.gather(*self.group.call("collect", flight.handle)))[0]
+            call = ("step", batch, need_logits) if handle is None else ("collect", handle)
+            result = (await asyncio.gather(*self.group.call(*call)))[0]
         else:
             raise self._closed_error()
         assert result is not None  # rank 0 returns the logits
