@@ -67,9 +67,12 @@ class StepPipeline:
         self.in_flight.append(flight)
 
     def to_collect(self, launched_now: bool) -> Flight | None:
-        """The step to read back now: the older of two in flight, or the only one when no step was
-        launched ahead of it in this turn."""
-        if len(self.in_flight) == 2 or (self.in_flight and not launched_now):
+        """The step to read back now: the older of two in flight, or the only one unless it was just
+        launched and the next turn may launch a step ahead of it."""
+        if not self.in_flight:
+            return None
+        followed = self.ahead and self.in_flight[-1].greedy_only
+        if len(self.in_flight) == 2 or not launched_now or not followed:
             return self.in_flight.popleft()
         return None
 
