@@ -70,6 +70,13 @@ def bench_engine(args) -> None:
         gc.collect()
 
 
+def both_modes(rate) -> tuple[float, float]:
+    """`rate(ahead)` synchronous and with async scheduling, each the best of two alternated runs (the
+    order and the host's noise favour neither)."""
+    runs = [(ahead, rate(ahead)) for ahead in (False, True, False, True)]
+    return max(r for a, r in runs if not a), max(r for a, r in runs if a)
+
+
 def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> dict:
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 
@@ -99,7 +106,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
     )
     roofline = V5E_HBM_BYTES_PER_S / weight_bytes
     # synchronous (each step read back before the next) and async scheduling (launched ahead) side by side
-    b1, b1a = (decode_rate(runner, 1, args.steps, ahead=ahead) for ahead in (False, True))
+    b1, b1a = both_modes(lambda ahead: decode_rate(runner, 1, args.steps, ahead=ahead))
     report(
         "decode_batch1",
         backend=backend,
@@ -110,9 +117,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
         async_fraction_of_roofline=b1a / roofline,
         async_vs_sync=b1a / b1,
     )
-    loop, loopa = (
-        loop_rate(runner, args.steps, ahead, max_num_seqs, max_model_len) for ahead in (False, True)
-    )
+    loop, loopa = both_modes(lambda ahead: loop_rate(runner, args.steps, ahead, max_num_seqs, max_model_len))
     report(
         "decode_batch1_scheduler_loop",
         backend=backend,
@@ -121,7 +126,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
         async_fraction_of_roofline=loopa / roofline,
         async_vs_sync=loopa / loop,
     )
-    b32, b32a = (decode_rate(runner, 32, args.steps, ahead=ahead) for ahead in (False, True))
+    b32, b32a = both_modes(lambda ahead: decode_rate(runner, 32, args.steps, ahead=ahead))
     report(
         "decode_batch32",
         backend=backend,
@@ -147,10 +152,11 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
     ahead_tokens = greedy_tokens(runner, ahead=True)
     report("greedy_async_vs_sync", backend=backend, same_tokens=ahead_tokens == figures["greedy_tokens"])
     if not args.quick:
-        for ahead in (False, True):
+        for ahead in (False, True, False, True):  # alternated: the first run also warms the host up
             mixed = serve_mixed(runner, args.requests, max_num_seqs, max_model_len, ahead=ahead)
             report("serve_mixed", backend=backend, **mixed)
-            figures["serve_mixed_async_s" if ahead else "serve_mixed_s"] = mixed["seconds"]
+            key = "serve_mixed_async_s" if ahead else "serve_mixed_s"
+            figures[key] = min(figures.get(key, mixed["seconds"]), mixed["seconds"])
     return figures
 
 
