@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.step_plan import FROM_DEVICE
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +18,22 @@ def trained_model(tmp_path_factory):
     return str(train_tiny_causal_lm(tmp_path_factory.mktemp("trained") / "model", steps=150))
 
 
-def _greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    res = runner.step([(0, prompt, 0, None)], need_logits=False)
-    assert res is not None
-    out = [res.token_ids[0]]
-    while len(out) < n:
-        res = runner.step([(0, [out[-1]], len(prompt) + len(out) - 1, None)], need_logits=False)
+def _greedy(runner: ModelRunner, prompt: list[int], n: int, ahead: bool = False) -> list[int]:
+    """`n` greedy tokens; `ahead` (async scheduling): each step launched before the previous one is
+    read back, its token taken from that step's ids on the device."""
+    pending, out = runner.launch([(0, prompt, 0, None)], need_logits=False), []
+    for i in range(n - 1):
+        if ahead:
+            launched = runner.launch([(0, [FROM_DEVICE], len(prompt) + i, None)], need_logits=False)
+        res = runner.collect(pending)
         assert res is not None
         out.append(res.token_ids[0])
-    return out
+        if not ahead:
+            launched = runner.launch([(0, [out[-1]], len(prompt) + i, None)], need_logits=False)
+        pending = launched
+    res = runner.collect(pending)
+    assert res is not None
+    return [*out, res.token_ids[0]]
 
 
 def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_model, highest_precision):
@@ -36,7 +44,9 @@ def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_mo
     built = chip.warmup()
     assert built == chip.buckets.num_programs
     prompt = list(range(5, 17))
-    assert _greedy(chip, prompt, 64) == _greedy(cpu, prompt, 64)
+    want = _greedy(cpu, prompt, 64)
+    assert _greedy(chip, prompt, 64) == want
+    assert _greedy(chip, prompt, 64, ahead=True) == want  # async scheduling: ids stay on the chip
     rng = random.Random(0)  # mixed prompt lengths and batch sizes: every shape is a warmed-up bucket
     for _ in range(20):
         step = [(s, [rng.randrange(3, 100) for _ in range(rng.randrange(1, 60))], 0, None) for s in range(4)]
