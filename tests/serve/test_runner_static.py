@@ -97,10 +97,10 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
         ids = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))]
         temp = 0.0 if i % 3 else 0.8
         requests.append((ids, SamplingParams(max_tokens=rng.randrange(1, 40), temperature=temp, seed=i)))
-    compiled = _engine(tiny_model_dir, compile=True, compile_backend="eager")
+    compiled = _engine(tiny_model_dir, True, compile=True, compile_backend="eager")
     try:
         runner = compiled.runner
-        assert runner is not None and runner.compiled and compiled.async_scheduling  # on by default there
+        assert runner is not None and runner.compiled and compiled.async_scheduling
         after_warmup = runner.compilations
         assert after_warmup == runner.buckets.num_programs  # every program built before serving
         got = _serve(compiled, requests)

@@ -120,13 +120,12 @@ class EmbeddedEngine(PromptEncoder):
                 **(runner_options or {}),
             )
             self.runner.warmup()  # a no-op unless it compiles (a real TPU)
-        compiled = self.runner.compiled if self.runner else all(w.get("compiled") for w in self.worker_info)
         requested = config.engine_kwargs.get("async_scheduling")
-        self.async_scheduling: bool = compiled if requested is None else requested
-        """engine_kwargs `async_scheduling` (vLLM's name; True, False or None: on where the steps run as
-        compiled programs, a real TPU; off on CPU and the emulator, where a step is eager and the host
-        waits for it anyway): launch each greedy step before the previous one is read back
-        (pipeline.py). The tokens are the same either way."""
+        self.async_scheduling: bool = bool(requested)
+        """engine_kwargs `async_scheduling` (vLLM's name; True, or False / None: off, the default): launch
+        each greedy step before the previous one is read back (pipeline.py); the tokens are the same
+        either way. Off by default everywhere until a real chip confirms it: on torch_tpu 0.2.0 the
+        greedy tokens of a reused cache slot already differ without it (docs/real-tpu.md)."""
 
     # -- workers ------------------------------------------------------------------------------------------
     def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
