@@ -25,11 +25,21 @@ from tpuray.constants import (
     WORKER_ID_LABEL,
 )
 from tpuray.emulator.autoscale import check_slices_can_come
-from tpuray.slices.inventory import format_slices, list_slices
+from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
 
 logger = logging.getLogger(__name__)
+
+
+def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> list[SliceInfo]:
+    """On an autoscaling emulated cluster, a ConfigError naming the shape and the autoscaler's node types
+    when `num_slices` slices of `topo` can never be reserved (see `check_slices_can_come`); elsewhere
+    nothing is checked. Returns the slices of that pod type alive now (requires ray.init())."""
+    same = [s for s in list_slices() if s.pod_type == topo.pod_type]
+    shape = f"{topo.generation.accelerator_type} {topo.topology}"
+    check_slices_can_come(topo.pod_type, shape, num_slices, [s.name for s in same])
+    return same
 
 
 class SliceReservationTimeout(TimeoutError):
@@ -137,9 +147,7 @@ class SlicePlacementGroup:
         topo, start = self._topology, time.monotonic()
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
         # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
-        same = [s for s in list_slices() if s.pod_type == topo.pod_type]
-        shape = f"{topo.generation.accelerator_type} {topo.topology}"
-        check_slices_can_come(topo.pod_type, shape, self._num_slices, [s.name for s in same])
+        same = check_slices_can_be_reserved(topo, self._num_slices)
         idle = [s.name for s in same if s.idle and s.intact and not s.draining]
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
