@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import RolloutEngine
-from tpuray.rl.sync import WeightSync
+from tpuray.rl.sync import TRANSPORTS, Transport, WeightSync
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,14 @@ class RLConfig:
     overlap: bool = False
     """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
     batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
+    weight_sync: Transport = "object_store"
+    """How the trainer's weights reach the rollout engine's workers (each trainer rank sends every rollout
+    tensor-parallel rank only the rows of its part that it holds; benchmarks/README.md compares them):
+    "object_store": every rank `ray.put`s one object per rollout rank, only ObjectRefs pass the driver,
+    each rollout rank pulls its objects (the default: the faster of the two where measured).
+    "tpu_dist": a torch.distributed process group ("tpu_dist" backend, TCPStore rendezvous on the
+    driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
+    driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`)."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     trainer_world_size: int = field(init=False, default=0)
@@ -80,6 +88,10 @@ class RLConfig:
             )
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
+        if self.weight_sync not in TRANSPORTS:
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid; valid: {', '.join(TRANSPORTS)}"
+            )
         if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
             raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
         if not self.rollout.on_slice or not self.trainer.use_tpu:
@@ -158,7 +170,10 @@ class RLRun:
         engine = RolloutEngine(self.config.rollout)  # reserves the rollout slice (or raises, nothing held)
         try:
             sync = WeightSync(
-                engine.tensor_parallel_size, self.config.trainer_world_size, self.config.sync_timeout_s
+                engine.tensor_parallel_size,
+                self.config.trainer_world_size,
+                self.config.sync_timeout_s,
+                self.config.weight_sync,
             )
         except BaseException:
             engine.shutdown()
@@ -301,6 +316,7 @@ class RLRun:
         from tpuray.rl.weights import WeightMismatchError
 
         try:
+            sync.release(update, version, engine.model_config)  # tpu_dist: checked before data moves
             engine.update_weights(update)
         except WeightMismatchError as e:
             sync.ack(version, error=str(e))  # the trainer's ranks raise it too
