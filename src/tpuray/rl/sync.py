@@ -1,19 +1,23 @@
 """Weight sync straight from a `tpuray.train` run into a `RolloutEngine`'s workers (issue 23, item 2).
 
-Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs and
-puts one object per rollout rank in Ray's object store; only the ObjectRefs travel through a small
-mailbox actor to the driver, which hands them to the engine: rollout rank r pulls the pieces addressed to
-it from every trainer rank, checks and assembles them, and stages its fused shards (the engine's
-all-or-nothing stage / commit). No full copy of the state on the driver.
+Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs.
+Transport "object_store": it puts one object per rollout rank in Ray's object store; only the ObjectRefs
+travel through a small mailbox actor to the driver, which hands them to the engine: rollout rank r pulls
+the pieces addressed to it from every trainer rank, checks and assembles them, and stages its fused
+shards (the engine's all-or-nothing stage / commit). Transport "tpu_dist" (`tpuray.rl.collective`): only
+the pieces' metadata travels through the mailbox; the driver checks it (`WeightSync.release`), then the
+trainer ranks send the data over a process group spanning both sides and rollout rank r receives, checks,
+assembles and stages as above. No full copy of the state on the driver.
 
 - sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank sends the rows it holds;
 - replicated trainer (DDP, or one worker): rank 0 sends the full state, the other ranks nothing.
 
 On the trainer (in the train loop):      `target.send(model, version)`  (every rank; blocks until the
                                           engine committed the update, so the objects' owner outlives it)
-On the driver:                            `sync = WeightSync(engine, trainer_world_size)`,
-                                          `engine.update_weights(sync.receive(version, alive))`,
-                                          `sync.ack(version)`.
+On the driver:                            `sync = WeightSync(tp, trainer_world_size, transport=...)`,
+                                          `update = sync.receive(version, alive)`,
+                                          `sync.release(update, version, engine.model_config)`,
+                                          `engine.update_weights(update)`, `sync.ack(version)`.
 """
 
 from __future__ import annotations
