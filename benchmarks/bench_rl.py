@@ -67,19 +67,12 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from transformers import AutoModelForCausalLM
 
-    from tpuray.rl import RolloutConfig, RolloutEngine, put_shards
+    from tpuray.rl import RolloutEngine, grpo, put_shards
 
     path = _model(args, root)
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    cfg = RolloutConfig(
-        str(path),
-        accelerator_type="TPU-V6E",
-        topology="2x2",
-        chips_per_worker=2,
-        max_model_len=64,
-        max_num_seqs=4,
-    )
+    cfg, _ = grpo.two_slices(str(path), max_num_seqs=4)
     puller = _puller_class()
     with RolloutEngine(cfg) as engine:
         assert engine.group is not None
@@ -239,24 +232,10 @@ def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, 
 
 
 def _sync_run(path: Path, transport: str, rounds: int) -> tuple[float, int, int, int]:
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig
-    from tpuray.train import RunConfig, ScalingConfig
+    from tpuray.rl import RLConfig, RLRun, grpo
+    from tpuray.train import RunConfig
 
-    rollout = RolloutConfig(
-        str(path),
-        accelerator_type="TPU-V6E",
-        topology="2x2",
-        chips_per_worker=2,
-        max_model_len=64,
-        max_num_seqs=4,
-    )
-    trainer = ScalingConfig(
-        num_workers=2,
-        use_tpu=True,
-        topology="2x2",
-        accelerator_type="TPU-V6E",
-        resources_per_worker={"TPU": 2},
-    )
+    rollout, trainer = grpo.two_slices(str(path), max_num_seqs=4)
     with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
         result = RLRun(
             RLConfig(rollout, trainer, weight_sync=transport),  # type: ignore[arg-type]

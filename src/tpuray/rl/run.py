@@ -61,8 +61,8 @@ class RLConfig:
     """How the trainer's weights reach the rollout engine's workers; either way each trainer rank sends
     every rollout tensor-parallel rank only the rows of its part that it holds, no copy passes the
     driver, and a name or shape mismatch is refused before anything is overwritten.
-    "tpu_dist" (the default: 3.4x faster than "object_store" in benchmarks/bench_rl.py, 1.2x the raw
-    collective): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
+    "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
+    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
     driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
     driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
     "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
