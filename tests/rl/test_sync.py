@@ -109,10 +109,12 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
-    on the other. FSDP2 with overlap: each trainer rank sends its own Shard(0) rows, cut per rollout
-    rank, and the engine generates the sent model's tokens one batch later. DDP sequential: rank 0 sends
-    all, the tokens change from the next batch on, then the trainer fails; then a rollout worker dies.
-    A failure of either side ends the run with RLRunError; no worker or placement group is left."""
+    on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
+    rollout rank, and the engine generates the sent model's tokens one batch later; an update missing a
+    tensor is refused from its metadata. DDP sequential over the object store: rank 0 sends all, the
+    tokens change from the next batch on, then the trainer fails; then (tpu_dist, the group spanning it)
+    a rollout worker dies. A failure of either side ends the run with RLRunError; no worker or placement
+    group is left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
@@ -177,6 +179,6 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     with pytest.raises(
         RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
-        run("rollout-fails", False, 3, killing, strategy="ddp")
+        run("rollout-fails", False, 3, killing, "tpu_dist", strategy="ddp")
     assert not _alive_train_workers()
     pg_leak_check()

@@ -193,6 +193,7 @@ class RLRun:
             batches, times = self._loop(engine, sync, iterations, rollout_fn)
             return RLResult(self._finish(), batches, times)
         except BaseException as e:
+            engine.shutdown()  # first: a trainer rank mid-send over tpu_dist then fails instead of waiting
             self._stop(sync)
             if isinstance(e, RLRunError):
                 raise
