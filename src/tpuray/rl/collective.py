@@ -14,6 +14,7 @@ first transfer (`member`) and keeps the group until it exits.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -167,14 +168,29 @@ class SyncGroup:
         self.transfer_s = time.perf_counter() - t
         return [unpack(m, b) for (_, m), b in zip(offers, bufs, strict=True)]
 
+    def close(self) -> None:
+        """Stop the group's backend on this thread (tpu_dist's gloo left running to interpreter exit
+        can abort the process there: runtime/dist.py)."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
 
 _MEMBERS: dict[tuple[str, int], SyncGroup] = {}  # this process's groups, by rendezvous address
 
 
 def member(channel: Channel, rank: int) -> SyncGroup:
     """This process's member of `channel`'s group as `rank` (joined at the first call: blocks until every
-    rank of the group joined)."""
+    rank of the group joined; closed when the process exits)."""
     key = (channel.host, channel.port)
     if key not in _MEMBERS:
+        if not _MEMBERS:
+            atexit.register(close_all)
         _MEMBERS[key] = SyncGroup(channel, rank)
     return _MEMBERS[key]
+
+
+def close_all() -> None:
+    """Close this process's groups (at exit)."""
+    while _MEMBERS:
+        _MEMBERS.popitem()[1].close()
