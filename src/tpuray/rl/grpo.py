@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
 
@@ -186,14 +187,15 @@ def grpo_train_loop(config: dict) -> None:  # runs on tpuray.train workers (impo
         rl.send(policy, version=k + 1)
 
 
-def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
-    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
-    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngine
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-    from tpuray.train import RunConfig, ScalingConfig
+def two_slices(path: str, max_num_seqs: int) -> tuple[Any, Any]:
+    """(RolloutConfig, ScalingConfig) of the `--trainer tpuray` layout: the rollout engine TP=2 on one
+    emulated v6e 2x2 slice, the trainer's 2 workers x 2 chips on another."""
+    from tpuray.rl import RolloutConfig
+    from tpuray.train import ScalingConfig
 
-    rollout = RolloutConfig(path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=64)
+    rollout = RolloutConfig(
+        path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=max_num_seqs
+    )
     trainer = ScalingConfig(
         num_workers=2,
         use_tpu=True,
@@ -201,6 +203,17 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
         accelerator_type="TPU-V6E",
         resources_per_worker={"TPU": 2},
     )
+    return rollout, trainer
+
+
+def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
+    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
+    from tpuray.rl import RLConfig, RLRun, RolloutEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.train import RunConfig
+
+    rollout, trainer = two_slices(path, max_num_seqs=64)
     prompts = [p for p in PROMPTS for _ in range(args.group)]
     split: list[tuple[float, float, float]] = []
 
