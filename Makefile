@@ -28,8 +28,8 @@ demo: setup
 	$(BIN)/tpuray demo
 
 # Two pytest-xdist workers, each with its own emulated cluster; the memory-heavy modules share one worker
-# (tests/conftest.py, HEAVY_MODULES). mypy runs beside them: the suite mostly waits on Ray and processes.
-PYTEST := $(BIN)/pytest -q -n 2 --dist loadgroup
+# (tests/conftest.py: HEAVY_MODULES, pytest_xdist_make_scheduler). mypy runs beside them: the suite mostly waits on Ray and processes.
+PYTEST := $(BIN)/pytest -q -n 2
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples

@@ -42,9 +42,10 @@ from tpuray.emulator import EmulatedCluster, SliceRequest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TESTS = Path(__file__).parent
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`), each with its own emulated
-# cluster: these modules (vLLM apps, 16-worker 4x4 slices: the suite's memory peaks, several GB each) all
-# run on one worker, in order, and everything else on the other, so no two peaks meet.
+# `make test` runs the suite on two pytest-xdist workers, each with its own emulated cluster
+# (pytest_xdist_make_scheduler below): these modules (vLLM apps, 16-worker 4x4 slices: the suite's
+# memory peaks, several GB each) all run on one worker, in order, and everything else on the other, so
+# no two peaks meet.
 HEAVY_MODULES = frozenset(
     {
         "serve/test_vllm.py",
@@ -127,9 +128,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return "cluster_manager" in names and "emulated_cluster" not in names
 
     items.sort(key=swaps)
-    for item in items:
-        group = "heavy" if item.path.relative_to(TESTS).as_posix() in HEAVY_MODULES else "light"
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `pytest -n N`: two work units, HEAVY_MODULES and the rest, each run whole by one worker in
+    collection order (pytest-xdist's own `--dist loadgroup` cannot tag items under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].removeprefix("tests/")
+            return "heavy" if module in HEAVY_MODULES else "light"
+
+    return HeavyApart(config, log)
 
 
 @pytest.fixture
