@@ -51,6 +51,14 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     assert RolloutConfig(vllm_models[0], **slice_kw).resolved_engine == "embedded"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="TPU=2 is not supported with vLLM"):
         RolloutConfig(vllm_models[0], engine="vllm", **slice_kw)  # type: ignore[arg-type]
+    from _rl_util import SCALING
+
+    from tpuray.rl import RLConfig
+    from tpuray.train import ScalingConfig
+
+    trainer = ScalingConfig(**SCALING)
+    with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
+        RLConfig(RolloutConfig(vllm_models[0]), trainer, placement="colocated")  # sleep: no vLLM on CPU
 
 
 CHILD = """

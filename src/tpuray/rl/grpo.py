@@ -188,12 +188,18 @@ def grpo_train_loop(config: dict) -> None:  # runs on tpuray.train workers (impo
 
 def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
-    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step;
+    `--colocate`: one slice, the engine inside the trainer's two workers, sleeping while they train."""
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngine
+    from tpuray.rl.run import Placement
     from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
     from tpuray.train import RunConfig, ScalingConfig
 
-    rollout = RolloutConfig(path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=64)
+    placement: Placement = "colocated" if args.colocate else "disaggregated"
+    on_slice = (
+        {} if args.colocate else {"accelerator_type": "TPU-V6E", "topology": "2x2", "chips_per_worker": 2}
+    )
+    rollout = RolloutConfig(path, max_model_len=64, max_num_seqs=64, **on_slice)  # type: ignore[arg-type]
     trainer = ScalingConfig(
         num_workers=2,
         use_tpu=True,
@@ -216,7 +222,7 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     config = {"path": path, "lr": args.lr, "epochs": args.epochs, "seed": args.seed}
     with tempfile.TemporaryDirectory(prefix="rl-grpo-run-") as storage:
         run = RLRun(
-            RLConfig(rollout, trainer, overlap=args.overlap),
+            RLConfig(rollout, trainer, placement=placement, overlap=args.overlap),
             grpo_train_loop,
             train_loop_config=config,
             run_config=RunConfig(storage_path=storage, name="grpo", verbose=0),
@@ -265,7 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--colocate",
         action="store_true",
-        help="sleep the rollout engine while the trainer steps (chip hand-over)",
+        help="sleep the rollout engine while the trainer steps (chip hand-over); with --trainer tpuray: "
+        "RLConfig(placement='colocated'), one slice, the engine inside the trainer's workers",
     )
     parser.add_argument(
         "--trainer",
@@ -283,8 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("iterations", "group", "words", "max_tokens", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
-    if args.trainer == "tpuray" and (args.slice or args.colocate):
-        parser.error("--trainer tpuray places both sides itself (two slices); drop --slice / --colocate")
+    if args.trainer == "tpuray" and args.slice:
+        parser.error(
+            "--trainer tpuray places both sides itself (two slices, or one with --colocate); drop --slice"
+        )
+    if args.overlap and args.colocate:
+        parser.error("--overlap and --colocate exclude each other (colocated phases take turns on the chips)")
     if args.overlap and args.trainer != "tpuray":
         parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
     return args
