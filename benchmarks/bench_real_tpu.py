@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _tpu_engine import (
+    decode_rate,
+    decode_split,
+    greedy_tokens,
+    loop_rate,
+    serve_mixed,
+    timed,
+    write_llama,
+)
 
 V5E_HBM_BYTES_PER_S = 819e9
 V5E_BF16_FLOPS = 197e12
@@ -31,166 +39,7 @@ def report(name: str, **fields) -> None:
     print(json.dumps(row), flush=True)
 
 
-def sync() -> None:
-    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
-        torch.accelerator.synchronize()
-
-
 # -- the engine ------------------------------------------------------------------------------------------
-def write_llama(
-    path: Path, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int
-) -> int:
-    """A Llama-shaped checkpoint with random bf16 weights (speed only); returns its weight bytes."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-    )
-    (path / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    d = hidden // heads
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    state = {
-        "model.embed_tokens.weight": w(vocab, hidden),
-        "lm_head.weight": w(vocab, hidden),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        state |= {
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": w(heads * d, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * d, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * d, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * d),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-        }
-    save_file(state, str(path / "model.safetensors"))
-    # the bytes a decode step reads: every weight except the embedding table (rows are gathered)
-    return sum(t.numel() * 2 for k, t in state.items() if k != "model.embed_tokens.weight")
-
-
-def decode_rate(runner, batch: int, steps: int, prompt_len: int = 32) -> float:
-    """Tokens/s of `steps` decode steps of `batch` sequences (after their prefill)."""
-    step = [(s, list(range(3, 3 + prompt_len)), 0, None) for s in range(batch)]
-    runner.step(step, need_logits=False)
-    pos = prompt_len
-    runner.step([(s, [7], pos, None) for s in range(batch)], need_logits=False)  # one untimed
-    start = time.perf_counter()
-    for i in range(steps):
-        runner.step([(s, [7 + i % 50], pos + 1 + i, None) for s in range(batch)], need_logits=False)
-    return batch * steps / (time.perf_counter() - start)
-
-
-def decode_split(runner, batch: int, steps: int, pos: int = 40) -> dict:
-    """Where a decode step's time goes (ms per step): the whole `runner.step`; the program alone with its
-    inputs already on the device and its ids read back each step; the program alone without reading back
-    (steps queue up: the device's own time per step once the host keeps ahead); one small host-to-device
-    copy (a step makes three)."""
-    from tpuray.serve.llm.engine.embedded.step_plan import decode_batches
-
-    rows = [(s, [7], pos, None) for s in range(batch)]
-    d = decode_batches(rows, list(range(batch)), runner.buckets, runner.cache.trash_slot)[0]
-    dev = runner.device
-    args = (d.packed.to(dev), d.context_len)
-    runner._decode(*args)[1].cpu()
-
-    def per_step(fn) -> float:
-        fn()
-        sync()
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        sync()
-        return (time.perf_counter() - t) / steps * 1e3
-
-    def dispatch_only() -> float:  # the host's time to launch the program, device not awaited
-        sync()
-        t = time.perf_counter()
-        for _ in range(steps):
-            runner._decode(*args)
-        took = (time.perf_counter() - t) / steps * 1e3
-        sync()
-        return took
-
-    small = torch.arange(batch, dtype=torch.long)
-    packed = torch.arange(3 * batch, dtype=torch.long)
-    return dict(
-        batch=batch,
-        step_ms=per_step(lambda: runner.step(rows, need_logits=False)),
-        program_readback_ms=per_step(lambda: runner._decode(*args)[1].cpu()),
-        program_pipelined_ms=per_step(lambda: runner._decode(*args)),
-        program_dispatch_ms=dispatch_only(),
-        host_to_device_ms=per_step(lambda: small.to(dev)),
-        host_to_device_x3_ms=per_step(lambda: [t.to(dev) for t in (small, small, small)]),
-        host_to_device_packed_ms=per_step(lambda: packed.to(dev)),
-    )
-
-
-class NumberTokenizer:
-    """Detokenizes ids as numbers: the bench's random-weight model has no tokenizer of its own."""
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(f" {i}" for i in ids)
-
-
-def serve_mixed(runner, n_requests: int, max_num_seqs: int, max_model_len: int, seed: int = 0) -> dict:
-    """The engine's own loop (Scheduler: continuous batching) over requests of mixed prompt and output
-    lengths, greedy and sampled; counts the programs compiled while serving."""
-    import asyncio
-
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-    from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
-
-    rng = random.Random(seed)
-    sched = Scheduler(NumberTokenizer(), {2}, max_num_seqs, max_model_len, max_prefill_tokens=max_model_len)
-    for i in range(n_requests):
-        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, min(512, max_model_len - 64)))]
-        params = SamplingParams(
-            max_tokens=rng.randrange(1, 64), temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True
-        )
-        sched.add(Sequence(prompt, params, params.generator(), asyncio.Queue()))
-    before, steps, tokens, start = runner.compilations, 0, 0, time.perf_counter()
-    while sched.has_work():
-        seqs, batch = sched.schedule()
-        res = runner.step(batch, sched.needs_logits(seqs))
-        sched.process(seqs, res.logits, res.prompt_logprobs, res.token_ids)
-        steps += 1
-        tokens += len(seqs)
-    return dict(
-        requests=n_requests,
-        steps=steps,
-        tokens=tokens,
-        seconds=time.perf_counter() - start,
-        compilations_while_serving=runner.compilations - before,
-    )
-
-
-def greedy_tokens(runner, n: int = 24) -> list[int]:
-    """`n` greedy tokens of one sequence (slot 0) from a fixed prompt: compares backends' outputs."""
-    prompt = list(range(3, 40))
-    ids = [runner.step([(0, prompt, 0, None)], need_logits=False).token_ids[0]]
-    for i in range(n - 1):
-        ids.append(runner.step([(0, [ids[-1]], len(prompt) + i, None)], need_logits=False).token_ids[0])
-    return ids
-
-
 def bench_engine(args) -> None:
     """Each backend in --compile-backend in turn, on the same checkpoint; the figures of every backend
     after the first are also reported as ratios to the first's (the anchor)."""
@@ -221,6 +70,13 @@ def bench_engine(args) -> None:
         gc.collect()
 
 
+def both_modes(rate) -> tuple[float, float]:
+    """`rate(ahead)` synchronous and with async scheduling, each the best of two alternated runs (the
+    order and the host's noise favour neither)."""
+    runs = [(ahead, rate(ahead)) for ahead in (False, True, False, True)]
+    return max(r for a, r in runs if not a), max(r for a, r in runs if a)
+
+
 def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> dict:
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 
@@ -249,16 +105,36 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
         compiled=runner.compiled,
     )
     roofline = V5E_HBM_BYTES_PER_S / weight_bytes
-    b1 = decode_rate(runner, 1, args.steps)
+    # synchronous (each step read back before the next) and async scheduling (launched ahead) side by side
+    b1, b1a = both_modes(lambda ahead: decode_rate(runner, 1, args.steps, ahead=ahead))
     report(
         "decode_batch1",
         backend=backend,
         tokens_per_s=b1,
         roofline_tokens_per_s=roofline,
         fraction_of_roofline=b1 / roofline,
+        async_tokens_per_s=b1a,
+        async_fraction_of_roofline=b1a / roofline,
+        async_vs_sync=b1a / b1,
     )
-    b32 = decode_rate(runner, 32, args.steps)
-    report("decode_batch32", backend=backend, tokens_per_s=b32, vs_batch1=b32 / b1)
+    loop, loopa = both_modes(lambda ahead: loop_rate(runner, args.steps, ahead, max_num_seqs, max_model_len))
+    report(
+        "decode_batch1_scheduler_loop",
+        backend=backend,
+        tokens_per_s=loop,
+        async_tokens_per_s=loopa,
+        async_fraction_of_roofline=loopa / roofline,
+        async_vs_sync=loopa / loop,
+    )
+    b32, b32a = both_modes(lambda ahead: decode_rate(runner, 32, args.steps, ahead=ahead))
+    report(
+        "decode_batch32",
+        backend=backend,
+        tokens_per_s=b32,
+        vs_batch1=b32 / b1,
+        async_tokens_per_s=b32a,
+        async_vs_sync=b32a / b32,
+    )
     for batch in (1, 32):
         report("decode_split", backend=backend, **decode_split(runner, batch, args.steps))
     prompt = list(range(3, 3 + min(512, max_model_len)))
@@ -271,25 +147,20 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
     ttft = sorted(times)[2] * 1e3
     report("ttft", backend=backend, prompt_tokens=len(prompt), ms_median=ttft)
     figures = {"decode_batch1_tokens_per_s": b1, "decode_batch32_tokens_per_s": b32, "ttft_ms": ttft}
+    figures |= {"decode_batch1_async_tokens_per_s": b1a, "decode_batch32_async_tokens_per_s": b32a}
     figures["greedy_tokens"] = greedy_tokens(runner)
+    ahead_tokens = greedy_tokens(runner, ahead=True)
+    report("greedy_async_vs_sync", backend=backend, same_tokens=ahead_tokens == figures["greedy_tokens"])
     if not args.quick:
-        mixed = serve_mixed(runner, args.requests, max_num_seqs, max_model_len)
-        report("serve_mixed", backend=backend, **mixed)
-        figures["serve_mixed_s"] = mixed["seconds"]
+        for ahead in (False, True, False, True):  # alternated: the first run also warms the host up
+            mixed = serve_mixed(runner, args.requests, max_num_seqs, max_model_len, ahead=ahead)
+            report("serve_mixed", backend=backend, **mixed)
+            key = "serve_mixed_async_s" if ahead else "serve_mixed_s"
+            figures[key] = min(figures.get(key, mixed["seconds"]), mixed["seconds"])
     return figures
 
 
 # -- training -------------------------------------------------------------------------------------------
-def timed(fn, iters: int) -> float:
-    fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / iters
-
-
 def bench_matmul(device: torch.device) -> None:
     n = 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)

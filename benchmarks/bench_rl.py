@@ -12,7 +12,13 @@ sequentially and with `--overlap`, then colocated (`--colocate`: one slice, the 
 trainer's two workers, sleeping while they train), compared with the sequential disaggregated run.
 Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
 
+Transports (`RLConfig(weight_sync=...)`): an RLRun per transport (FSDP2 trainer of 2 workers on one
+slice, TP=2 engine on the other) sends the same weights every iteration; seconds per `rl.send` on trainer
+rank 0 against the raw transfer of the same bytes between plain actors on the same hosts (object store:
+ray.put + ray.get; tpu_dist: send / recv over a group made the same way). `--only sync` stops there.
+
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
+                                            [--only all|sync]
 """
 
 from __future__ import annotations
@@ -45,32 +51,30 @@ def bench_sync(args: argparse.Namespace) -> tuple[float, float, float, int]:
         return _bench_sync(args, Path(root))
 
 
-def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, float, int]:
-    import ray
-    import torch
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from transformers import AutoModelForCausalLM
-
+def _model(args: argparse.Namespace, root: Path) -> Path:
     from tpuray.models import build_tiny_causal_lm
-    from tpuray.rl import RolloutConfig, RolloutEngine, put_shards
 
-    path = build_tiny_causal_lm(
+    return build_tiny_causal_lm(
         root / "m",
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers,
         max_position_embeddings=128,
     )
+
+
+def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, float, int]:
+    import ray
+    import torch
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from transformers import AutoModelForCausalLM
+
+    from tpuray.rl import RolloutEngine, grpo, put_shards
+
+    path = _model(args, root)
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    cfg = RolloutConfig(
-        str(path),
-        accelerator_type="TPU-V6E",
-        topology="2x2",
-        chips_per_worker=2,
-        max_model_len=64,
-        max_num_seqs=4,
-    )
+    cfg, _ = grpo.two_slices(str(path), max_num_seqs=4)
     puller = _puller_class()
     with RolloutEngine(cfg) as engine:
         assert engine.group is not None
@@ -105,6 +109,147 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     return statistics.median(sync), statistics.median(sharded), statistics.median(raw), nbytes
 
 
+# -- transports: object_store vs tpu_dist, from a tpuray.train run ----------------------------------------
+def _send_loop(config: dict) -> list[float]:
+    """An RLRun trainer (FSDP2 over its ranks) that sends the same weights every iteration; returns this
+    rank's seconds per send (cut + transfer + the engine's check and commit, until the ack)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import tpuray.train.torch as tt
+    from tpuray import train
+
+    rl = config["rl"]
+    model = AutoModelForCausalLM.from_pretrained(config["path"], dtype=torch.float32).to(tt.get_device())
+    model = fully_shard(
+        model, mesh=init_device_mesh(tt.get_device().type, (train.get_context().get_world_size(),))
+    )
+    seconds = []
+    for k in range(rl.iterations):
+        rl.batch(k)
+        t = time.perf_counter()
+        rl.send(model, version=k + 1)
+        seconds.append(time.perf_counter() - t)
+    return seconds
+
+
+def _peer_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        """One end of the raw transfers: a sender holds flat buffers, a receiver takes them."""
+
+        def __init__(self, sizes: list[int]) -> None:
+            import torch
+
+            self.flats = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+            self.group = None
+
+        def put(self) -> list:
+            return [ray.put(f) for f in self.flats]
+
+        def pull(self, refs: list) -> int:
+            return sum(int(t.numel()) for t in ray.get(refs))
+
+        def join(self, channel, rank: int) -> None:
+            import torch.distributed as dist
+
+            from tpuray import runtime
+            from tpuray.rl.collective import member
+
+            if "tpu_dist" not in dist.Backend.backend_list:
+                runtime.activate()
+            self.group = member(channel, rank)
+
+        def send(self) -> None:
+            self.group.send_all(self.flats)
+
+        def recv(self, offers: list) -> int:
+            return sum(sum(t.numel() for _, t in p.values()) for p in self.group.recv_all(offers))
+
+    return Peer
+
+
+def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
+    """Median seconds of the raw transfers of `pair_bytes[s][q]` bytes from sender s (on the first TPU
+    host) to receiver q (on another): ray.put + ray.get, and send / recv over a tpu_dist group."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tpuray.rl.collective import Rendezvous
+
+    hosts = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("TPU"))
+    peer = _peer_class()
+
+    def on(i: int, sizes: list[int]):
+        strategy = NodeAffinitySchedulingStrategy(hosts[i % len(hosts)], soft=False)
+        return peer.options(scheduling_strategy=strategy).remote(sizes)
+
+    n_send, n_recv = len(pair_bytes), len(pair_bytes[0])
+    senders = [on(0, row) for row in pair_bytes]
+    receivers = [on(1, [0]) for _ in range(n_recv)]
+    rdv = Rendezvous(n_send, n_recv, 120.0)
+    ray.get(
+        [s.join.remote(rdv.channel, r) for r, s in enumerate(senders)]
+        + [p.join.remote(rdv.channel, n_send + q) for q, p in enumerate(receivers)]
+    )
+    metas = [
+        [(s, [("x", 0, (pair_bytes[s][q] // 4,), "float32", 0)]) for s in range(n_send)]
+        for q in range(n_recv)
+    ]
+    store, coll = [], []
+    for _ in range(rounds + 1):  # round 0 warms
+        t = time.perf_counter()
+        refs = ray.get([s.put.remote() for s in senders])
+        ray.get([p.pull.remote([refs[s][q] for s in range(n_send)]) for q, p in enumerate(receivers)])
+        store.append(time.perf_counter() - t)
+        del refs
+        t = time.perf_counter()
+        ray.get(
+            [s.send.remote() for s in senders] + [p.recv.remote(metas[q]) for q, p in enumerate(receivers)]
+        )
+        coll.append(time.perf_counter() - t)
+    for a in senders + receivers:
+        ray.kill(a)
+    rdv.close()
+    return {"object_store": statistics.median(store[1:]), "tpu_dist": statistics.median(coll[1:])}
+
+
+def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, int]]:
+    """For each weight_sync: (median seconds per sync seen by trainer rank 0, median raw transfer seconds
+    of the same bytes between the same hosts, bytes per sync), FSDP2 trainer of 2 workers x 2 chips on
+    one emulated v6e 2x2 -> TP=2 rollout engine on the other."""
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
+        path = _model(args, Path(root))
+        out = {}
+        for transport in ("object_store", "tpu_dist"):
+            seconds, nbytes, senders, tp = _sync_run(path, transport, args.rounds)
+            share = nbytes // (senders * tp) // 4  # FSDP2 Shard(0): each rank holds about half of each part
+            raw = bench_raw([[share * 4] * tp for _ in range(senders)], args.rounds)
+            out[transport] = (seconds, raw[transport], nbytes)
+        return out
+
+
+def _sync_run(path: Path, transport: str, rounds: int) -> tuple[float, int, int, int]:
+    from tpuray.rl import RLConfig, RLRun, grpo
+    from tpuray.train import RunConfig
+
+    rollout, trainer = grpo.two_slices(str(path), max_num_seqs=4)
+    with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
+        result = RLRun(
+            RLConfig(rollout, trainer, weight_sync=transport),  # type: ignore[arg-type]
+            _send_loop,
+            train_loop_config={"path": str(path)},
+            run_config=RunConfig(storage_path=f"file://{storage}", name=f"sync-{transport}"),
+        ).run(rounds + 1, lambda engine, k: k)
+    last = result.times[-1]
+    seconds = statistics.median(result.train_result.return_value[1:])  # the first send joins / warms
+    return seconds, last.sync_bytes, last.senders, rollout.tensor_parallel_size
+
+
 def bench_iterations(iterations: int, *extra: str) -> list:
     from tpuray.rl import grpo
 
@@ -127,12 +272,51 @@ def print_split(title: str, history: list) -> float:
     return split["total_s"]
 
 
+def print_sync(sync: float, sharded: float, raw: float, nbytes: int, rounds: int) -> None:
+    mb = nbytes / 1e6
+    print(
+        f"\nweight sync, {mb:.1f} MB fp32 state dict -> TP=2 rollout engine on an emulated v6e 2x2 (median of {rounds})"
+    )
+    print("| path | seconds | MB/s | ratio |")
+    print("|---|---|---|---|")
+    print(f"| RolloutEngine.update_weights | {sync:.3f} | {mb / sync:.0f} | {sync / raw:.2f} |")
+    print(
+        f"| put_shards + update_weights (each rank pulls its part) | {sharded:.3f} | {mb / sharded:.0f} | {sharded / raw:.2f} |"
+    )
+    print(f"| raw ray.put + one pull per worker | {raw:.3f} | {mb / raw:.0f} | 1.00 |")
+    print(f"goal <= 1.2x: {'met' if min(sync, sharded) / raw <= 1.2 else 'not met'}")
+
+
+def print_transports(results: dict[str, tuple[float, float, int]], rounds: int) -> None:
+    nbytes = next(iter(results.values()))[2]
+    mb = nbytes / 1e6
+    print(
+        f"\nweight sync from tpuray.train (FSDP2, 2 workers x 2 chips, emulated v6e 2x2) -> TP=2 rollout engine on "
+        f"another emulated v6e 2x2: {mb:.1f} MB per sync, seconds per sync on trainer rank 0 (median of {rounds})"
+    )
+    print("| weight_sync | sync s | MB/s | raw transfer of the same bytes, s | ratio to raw |")
+    print("|---|---|---|---|---|")
+    for transport, (sync, raw, _) in results.items():
+        print(f"| {transport} | {sync:.3f} | {mb / sync:.0f} | {raw:.3f} | {sync / raw:.2f} |")
+    best = min(results, key=lambda t: results[t][0])
+    print(
+        f"faster: {best}; goal <= 1.2x raw: "
+        + ", ".join(f"{t} {'met' if s / r <= 1.2 else 'not met'}" for t, (s, r, _) in results.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument(
+        "--only",
+        choices=("all", "sync"),
+        default="all",
+        help="sync: the weight-sync tables only (no GRPO runs)",
+    )
     args = ap.parse_args()
 
     import ray
@@ -143,6 +327,11 @@ def main() -> int:
     cluster.connect()
     try:
         sync, sharded, raw, nbytes = bench_sync(args)
+        transports = bench_transports(args)
+        print_transports(transports, args.rounds)
+        if args.only == "sync":
+            print_sync(sync, sharded, raw, nbytes, args.rounds)
+            return 0
         history = bench_iterations(args.iterations, "--slice")
         sequential = bench_iterations(args.iterations, "--trainer", "tpuray")
         overlapped = bench_iterations(args.iterations, "--trainer", "tpuray", "--overlap")
@@ -150,18 +339,7 @@ def main() -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    mb = nbytes / 1e6
-    print(
-        f"\nweight sync, {mb:.1f} MB fp32 state dict -> TP=2 rollout engine on an emulated v6e 2x2 (median of {args.rounds})"
-    )
-    print("| path | seconds | MB/s | ratio |")
-    print("|---|---|---|---|")
-    print(f"| RolloutEngine.update_weights | {sync:.3f} | {mb / sync:.0f} | {sync / raw:.2f} |")
-    print(
-        f"| put_shards + update_weights (each rank pulls its part) | {sharded:.3f} | {mb / sharded:.0f} | {sharded / raw:.2f} |"
-    )
-    print(f"| raw ray.put + one pull per worker | {raw:.3f} | {mb / raw:.0f} | 1.00 |")
-    print(f"goal <= 1.2x: {'met' if min(sync, sharded) / raw <= 1.2 else 'not met'}")
+    print_sync(sync, sharded, raw, nbytes, args.rounds)
     print_split("GRPO iteration split (examples/rl_grpo.py --slice: trainer on the driver's CPU)", history)
     seq = print_split(
         "RLRun, sequential (examples/rl_grpo.py --trainer tpuray: FSDP2 on 2 workers)", sequential

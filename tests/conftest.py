@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,21 @@ from tpuray.emulator import EmulatedCluster, SliceRequest
 # Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+TESTS = Path(__file__).parent
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`), each with its own emulated
+# cluster: these modules (vLLM apps, 16-worker 4x4 slices: the suite's memory peaks, several GB each) all
+# run on one worker, in order, and everything else on the other, so no two peaks meet.
+HEAVY_MODULES = frozenset(
+    {
+        "serve/test_vllm.py",
+        "serve/test_ray_serve_llm.py",
+        "serve/test_http_fuzz.py",
+        "serve/test_engine_proof.py",
+        "rl/test_vllm_rollout.py",
+        "train/test_ray_train.py",
+        "train/test_data.py",
+    }
+)
 DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
 TEST_NAMESPACE = "tpuray-tests"
 
@@ -111,6 +127,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return "cluster_manager" in names and "emulated_cluster" not in names
 
     items.sort(key=swaps)
+    for item in items:
+        group = "heavy" if item.path.relative_to(TESTS).as_posix() in HEAVY_MODULES else "light"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

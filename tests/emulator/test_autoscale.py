@@ -7,9 +7,11 @@ shapes: a v4 2x2x2 (two hosts) and a v6e 2x2 (one host), idle timeout 2 s, Ray's
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -17,8 +19,8 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.tpu import SlicePlacementGroup as RaySlicePlacementGroup
 
-from _util import live_placement_groups
-from tpuray.constants import SLICE_NAME_LABEL, WORKER_ID_LABEL
+from _util import free_port, live_placement_groups
+from tpuray.constants import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
 from tpuray.emulator import EmulatedCluster
 from tpuray.emulator.churn import audit, run_churn
 from tpuray.emulator.detached import _alive
@@ -183,3 +185,115 @@ def test_seeded_random_schedule_keeps_slices_whole(autoscaling: EmulatedCluster)
     assert report.partial == 0 and report.leaked == 0, report
     assert report.audits == len(seen) >= 7 and seen[-1] == "all idle slices gone"
     assert autoscaling.autoscaled_slices() == {} and check_whole(autoscaling) == {}
+
+
+def slices_ever() -> dict[str, str]:
+    """Every emulated slice this cluster has had, alive or gone ({slice name: pod type}): Ray keeps the
+    labels of dead nodes."""
+    return {
+        labels[SLICE_NAME_LABEL]: labels[POD_TYPE_LABEL]
+        for labels in (n.get("Labels") or {} for n in ray.nodes())
+        if SLICE_NAME_LABEL in labels
+    }
+
+
+def _ray_train_probe(config: dict) -> None:
+    import torch.distributed as dist
+
+    with open(config["out"], "w") as f:
+        json.dump({"slice": os.environ.get("TPU_NAME"), "world": dist.get_world_size()}, f)
+
+
+def test_ray_train_and_a_serving_replica_each_bring_one_slice(autoscaling: EmulatedCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Ray's single-host SlicePlacementGroup, Ray Train's TorchTrainer(use_tpu=True) and a serving replica on
+    a slice, each on a cluster with no TPU host: each brings up slices of its shape only and runs on one;
+    shapes no node type brings fail before anything is reserved or deployed."""
+    from ray import serve
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tpuray.models import build_tiny_causal_lm
+    from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
+    from tpuray.train import RunConfig as TpurayRun
+    from tpuray.train import ScalingConfig as TpurayScaling
+    from tpuray.train.torch import TorchTrainer as TpurayTrainer
+
+    def new_slices(before: dict[str, str]) -> tuple[set[str], str]:
+        """(the slices started since `before`, their one pod type). Ray's v1 autoscaler can start a second
+        slice of the same type for one request: see docs/autoscaling.md, "A request counted twice"."""
+        new = {name: pod for name, pod in slices_ever().items() if name not in before}
+        assert len(set(new.values())) == 1, new
+        return set(new), next(iter(new.values()))
+
+    wait_for(lambda: not autoscaling.autoscaled_slices())
+    # Ray's own single-host reservation: one bundle {"TPU": 4, "CPU": 1}, no head, no label selector. It names
+    # no accelerator type, so any single-host 4-chip node type fits it (docs/autoscaling.md).
+    before = slices_ever()
+    ray_spg = RaySlicePlacementGroup("2x2", "v6e")
+    assert ray.get(ray_spg.placement_group.ready(), timeout=180)
+    assert new_slices(before)[1] in {"v6e-4", "v5litepod-4"}
+    ray_spg.shutdown()
+
+    # Ray Train's TorchTrainer: its bundle {"TPU": 4, "CPU": 1, "accelerator_type:TPU-V6E": 0.001} brings a v6e.
+    before = slices_ever()
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = TorchTrainer(
+        _ray_train_probe,
+        train_loop_config={"out": str(tmp_path / "rank0.json")},
+        scaling_config=ScalingConfig(num_workers=1, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="autoscaled"),
+    )
+    assert trainer.fit().error is None
+    ran = json.loads((tmp_path / "rank0.json").read_text())
+    started, pod_type = new_slices(before)
+    assert pod_type == "v6e-4" and ran["world"] == 1 and ran["slice"] in started
+    # tpuray's TorchTrainer reserves through tpuray's SlicePlacementGroup: a shape no node type brings fails
+    # at once, naming the shape and the node types.
+    no_slice = TpurayTrainer(
+        _ray_train_probe,
+        scaling_config=TpurayScaling(
+            num_workers=4, use_tpu=True, topology="2x2x1", accelerator_type="TPU-V4"
+        ),
+        run_config=TpurayRun(storage_path=str(tmp_path / "tpuray"), name="no-slice"),
+    )
+    with pytest.raises(
+        ConfigError, match=r"1 x TPU-V4 2x2x1 \(pod type v4-8\) can never be reserved.*tpu-v6e-4"
+    ):
+        no_slice.fit()
+
+    # A serving replica on a v6e 2x2 slice (the embedded engine: one worker holding the host's 4 chips).
+    model = str(build_tiny_causal_lm(tmp_path / "model", max_position_embeddings=256))
+
+    def config(topology: str, hosts: int = 1) -> LLMConfig:
+        return LLMConfig(
+            model_loading_config={"model_id": "tiny", "model_source": model},
+            llm_engine="embedded",
+            accelerator_type="TPU-V6E",
+            accelerator_config={"kind": "tpu", "topology": topology},
+            placement_group_config={"bundle_per_worker": {"TPU": 4}},
+            engine_kwargs={"tensor_parallel_size": hosts, "max_model_len": 256},
+        )
+
+    with pytest.raises(ConfigError, match=r"1 x TPU-V6E 4x4 \(pod type v6e-16\) can never be reserved") as e:
+        build_openai_app(LLMServingArgs(llm_configs=[config("4x4", hosts=4)]))
+    assert "tpu-v4-16 (TPU-V4 2x2x2, at most 1)" in str(e.value)
+    wait_for(lambda: not autoscaling.autoscaled_slices())
+    before = slices_ever()
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        handle = serve.run(build_openai_app(LLMServingArgs(llm_configs=[config("2x2")])), name="auto")
+        (worker,) = handle.describe.remote().result()["workers"]
+        (name,) = (n["Labels"][SLICE_NAME_LABEL] for n in ray.nodes() if n["NodeID"] == worker["node_id"])
+        started, pod_type = new_slices(before)
+        assert pod_type == "v6e-4" and name in started and name in autoscaling.autoscaled_slices()
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 2
+    finally:
+        serve.shutdown()
+    wait_for(lambda: not live_placement_groups())
+    wait_for(lambda: not autoscaling.autoscaled_slices())

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.step_plan import FROM_DEVICE
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +18,22 @@ def trained_model(tmp_path_factory):
     return str(train_tiny_causal_lm(tmp_path_factory.mktemp("trained") / "model", steps=150))
 
 
-def _greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    res = runner.step([(0, prompt, 0, None)], need_logits=False)
-    assert res is not None
-    out = [res.token_ids[0]]
-    while len(out) < n:
-        res = runner.step([(0, [out[-1]], len(prompt) + len(out) - 1, None)], need_logits=False)
+def _greedy(runner: ModelRunner, prompt: list[int], n: int, ahead: bool = False, slot: int = 0) -> list[int]:
+    """`n` greedy tokens of cache slot `slot`; `ahead` (async scheduling): each step launched before the
+    previous one is read back, its token taken from that step's ids on the device."""
+    pending, out = runner.launch([(slot, prompt, 0, None)], need_logits=False), []
+    for i in range(n - 1):
+        if ahead:
+            launched = runner.launch([(slot, [FROM_DEVICE], len(prompt) + i, None)], need_logits=False)
+        res = runner.collect(pending)
         assert res is not None
         out.append(res.token_ids[0])
-    return out
+        if not ahead:
+            launched = runner.launch([(slot, [out[-1]], len(prompt) + i, None)], need_logits=False)
+        pending = launched
+    res = runner.collect(pending)
+    assert res is not None
+    return [*out, res.token_ids[0]]
 
 
 def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_model, highest_precision):
@@ -36,10 +44,25 @@ def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_mo
     built = chip.warmup()
     assert built == chip.buckets.num_programs
     prompt = list(range(5, 17))
-    assert _greedy(chip, prompt, 64) == _greedy(cpu, prompt, 64)
+    want = _greedy(cpu, prompt, 64)
+    assert _greedy(chip, prompt, 64) == want
+    assert _greedy(chip, prompt, 64, ahead=True, slot=1) == want  # async scheduling, in a fresh slot
     rng = random.Random(0)  # mixed prompt lengths and batch sizes: every shape is a warmed-up bucket
     for _ in range(20):
         step = [(s, [rng.randrange(3, 100) for _ in range(rng.randrange(1, 60))], 0, None) for s in range(4)]
         res = chip.step(step, need_logits=rng.random() < 0.5)
         assert res is not None and len(res.token_ids) == 4
     assert chip.compilations == built
+
+
+@pytest.mark.xfail(
+    reason="on torch_tpu 0.2.0 the greedy tokens of a reused cache slot diverge from the third token "
+    "(found 2026-12-04 by benchmarks/tpu_slot_reuse.py; consistent on CPU compiled with inductor and "
+    "aot_eager): not yet explained",
+    strict=False,
+)
+def test_a_reused_cache_slot_gives_the_same_tokens(tpu, trained_model, highest_precision):
+    chip = ModelRunner(trained_model, device="tpu", max_num_seqs=4, max_model_len=256, dtype="float32")
+    prompt = list(range(5, 17))
+    first = _greedy(chip, prompt, 32)
+    assert _greedy(chip, prompt, 32) == first  # the same slot again

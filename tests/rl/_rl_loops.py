@@ -32,9 +32,13 @@ def send_loop(config: dict) -> int:
 
 def rl_loop(config: dict) -> list:
     """An RLRun's trainer: take each batch, send the loaded model's weights as the next version (rank 0
-    returns the batches it saw); raises at iteration `fail_at`."""
+    returns the batches it saw); raises at iteration `fail_at`; sends without tensor `drop` if given."""
     rl = config["rl"]
     model = load_policy(config["path"], config["strategy"])
+    if config.get("drop"):
+        from tpuray.rl.sync import model_state
+
+        model = {k: v for k, v in model_state(model).items() if k != config["drop"]}
     seen = []
     for k in range(rl.iterations):
         seen.append(rl.batch(k))

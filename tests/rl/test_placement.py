@@ -39,7 +39,12 @@ def test_colocated_run_and_failures(
 
     def run(name: str, placement: str, rollout_fn, rollout: RolloutConfig, iterations: int = 2):
         rl = RLRun(
-            RLConfig(rollout, ScalingConfig(**SCALING), placement=placement),  # type: ignore[arg-type]
+            RLConfig(
+                rollout,
+                ScalingConfig(**SCALING),
+                placement=placement,  # type: ignore[arg-type]
+                weight_sync="object_store" if placement == "colocated" else "tpu_dist",  # colocated's one
+            ),
             _rl_loops.rl_loop,
             train_loop_config={"path": tiny_models[1], "strategy": "fsdp2"},
             run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),

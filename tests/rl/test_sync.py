@@ -10,6 +10,7 @@ import ray.cloudpickle
 import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
+from tpuray.rl.collective import check_metas, pack, unpack
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
 from tpuray.rl.sync import assemble, trainer_pieces
 from tpuray.rl.weights import shard_state
@@ -48,6 +49,16 @@ def test_pieces_assemble_into_each_ranks_shards(tiny_models):
         assemble([split[0], {name: (start + 12, rows[10:])}], config, 1, 2)
     with pytest.raises(WeightMismatchError, match="'model.norm.weight' .* is missing"):
         assemble([{k: v for k, v in pieces[0].items() if k != "model.norm.weight"}], config, 0, 2)
+    # tpu_dist: one flat buffer per (trainer rank, rollout rank), its metadata checked without the data
+    metas, flat = zip(*(pack(p) for p in pieces), strict=True)
+    for r in range(2):
+        got = unpack(metas[r], flat[r])
+        assert got.keys() == pieces[r].keys()
+        assert all(got[k][0] == pieces[r][k][0] and torch.equal(got[k][1], pieces[r][k][1]) for k in got)
+    check_metas([[metas[0]], [metas[1]]], config)
+    bad = [m if m[0] != name else (name, 0, (63, 128), "float32", m[4]) for m in metas[1]]
+    with pytest.raises(WeightMismatchError, match=r"q_proj.weight' has 63 of its part's 64 rows"):
+        check_metas([[metas[0]], [bad]], config)
 
 
 def test_rl_config_refuses_bad_values(tiny_models):
@@ -65,7 +76,12 @@ def test_rl_config_refuses_bad_values(tiny_models):
             {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0]), "trainer": ScalingConfig()},
             r"colocated' needs one TPU slice for the trainer: ScalingConfig\(use_tpu=False",
         ),
+        (  # the default transport: colocated has no second side for its process group to span
+            {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0])},
+            "weight_sync='tpu_dist' is invalid with placement='colocated'.*valid: weight_sync='object_store'",
+        ),
         ({"overlap": "yes"}, "overlap='yes' is invalid"),
+        ({"weight_sync": "nccl"}, "weight_sync='nccl' is invalid; valid: object_store, tpu_dist"),
         ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
         ({"rollout": RolloutConfig(tiny_models[0])}, "accelerator_type=None"),
     ):
@@ -83,17 +99,24 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
-    on the other. FSDP2 with overlap: each trainer rank sends its own Shard(0) rows, cut per rollout
-    rank, and the engine generates the sent model's tokens one batch later. DDP sequential: rank 0 sends
-    all, the tokens change from the next batch on, then the trainer fails; then a rollout worker dies.
-    A failure of either side ends the run with RLRunError; no worker or placement group is left."""
+    on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
+    rollout rank, and the engine generates the sent model's tokens one batch later; an update missing a
+    tensor is refused from its metadata. DDP sequential over the object store: rank 0 sends all, the
+    tokens change from the next batch on, then the trainer fails; then (tpu_dist, the group spanning it)
+    a rollout worker dies. A failure of either side ends the run with RLRunError; no worker or placement
+    group is left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
 
-    def run(name: str, overlap: bool, iterations: int, rollout_fn, **loop_config):
+    def run(name: str, overlap: bool, iterations: int, rollout_fn, sync="object_store", **loop_config):
         rl = RLRun(
-            RLConfig(slice_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), overlap=overlap),
+            RLConfig(
+                slice_rollout_config(tiny_models[0]),
+                ScalingConfig(**SCALING),
+                overlap=overlap,
+                weight_sync=sync,
+            ),
             _rl_loops.rl_loop,
             train_loop_config={"path": tiny_models[1], **loop_config},
             run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
@@ -107,11 +130,24 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
         RLRun(RLConfig(slice_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
 
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), strategy="fsdp2")
+    result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), "tpu_dist", strategy="fsdp2")
     assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0
     assert result.train_result.return_value == result.batches  # every batch reached rank 0
     assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
     assert all(full < t.sync_bytes < 2 * full and t.sync > 0 for t in result.times)  # TP=2: replicated x2
+
+    drop = "model.layers.1.mlp.down_proj.weight"  # refused from its metadata: no data sent, none written
+    with pytest.raises(RLRunError, match=rf"update 1 was refused: .*'{drop}' .* is missing"):
+        run(
+            "tpu-dist-mismatch",
+            False,
+            2,
+            lambda engine, k: _greedy(engine),
+            "tpu_dist",
+            strategy="fsdp2",
+            drop=drop,
+        )
+    assert not alive_actors("TrainWorker")
 
     seen: list = []
 
@@ -133,6 +169,6 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     with pytest.raises(
         RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
-        run("rollout-fails", False, 3, killing, strategy="ddp")
+        run("rollout-fails", False, 3, killing, "tpu_dist", strategy="ddp")
     assert not alive_actors("TrainWorker")
     pg_leak_check()

@@ -51,14 +51,18 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     assert RolloutConfig(vllm_models[0], **slice_kw).resolved_engine == "embedded"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="TPU=2 is not supported with vLLM"):
         RolloutConfig(vllm_models[0], engine="vllm", **slice_kw)  # type: ignore[arg-type]
+    # an RLRun's weight sync (each TP rank its part) loads into the embedded engine's workers only
     from _rl_util import SCALING
 
     from tpuray.rl import RLConfig
     from tpuray.train import ScalingConfig
 
-    trainer = ScalingConfig(**SCALING)
+    on_vllm = RolloutConfig(vllm_models[0], engine="vllm", accelerator_type="TPU-V6E", topology="2x2")
+    trainer = ScalingConfig(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
+    with pytest.raises(ConfigError, match=r"resolved to 'vllm' .*valid: RolloutConfig\(engine='embedded'\)"):
+        RLConfig(on_vllm, trainer)
     with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
-        RLConfig(RolloutConfig(vllm_models[0]), trainer, placement="colocated")  # sleep: no vLLM on CPU
+        RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")  # no sleep
 
 
 CHILD = """

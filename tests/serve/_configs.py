@@ -19,7 +19,7 @@ def in_process_server(model_id: str, model_dir: str, max_model_len: int = MAX_MO
     )
 
 
-def tiny_tp4_config(tiny_model_dir: str):
+def tiny_tp4_config(tiny_model_dir: str, **engine_kwargs):
     """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice."""
     from tpuray.serve.llm import LLMConfig, ModelLoadingConfig
 
@@ -33,5 +33,6 @@ def tiny_tp4_config(tiny_model_dir: str):
             "tensor_parallel_size": 4,
             "max_model_len": MAX_MODEL_LEN,
             "enable_expert_parallel": True,
+            **engine_kwargs,
         },
     )

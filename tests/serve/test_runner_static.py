@@ -63,13 +63,18 @@ def test_padded_steps_equal_exact_steps(tiny_model_dir):
     assert greedy_only is not None and greedy_only.logits is None and greedy_only.token_ids
 
 
-def _engine(model_dir: str, **runner_options) -> EmbeddedEngine:
-    cfg = LLMConfig(
+def _config(model_dir: str, **engine_kwargs) -> LLMConfig:
+    return LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": model_dir},
         llm_engine="embedded",
-        engine_kwargs={"max_model_len": 128, "max_num_seqs": 4, "dtype": "float32"},
+        engine_kwargs={"max_model_len": 128, "max_num_seqs": 4, "dtype": "float32", **engine_kwargs},
     )
-    return EmbeddedEngine(cfg, runner_options=runner_options)
+
+
+def _engine(model_dir: str, async_scheduling: bool | None = None, **runner_options) -> EmbeddedEngine:
+    return EmbeddedEngine(
+        _config(model_dir, async_scheduling=async_scheduling), runner_options=runner_options
+    )
 
 
 def _serve(engine: EmbeddedEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
@@ -92,14 +97,15 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
         ids = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))]
         temp = 0.0 if i % 3 else 0.8
         requests.append((ids, SamplingParams(max_tokens=rng.randrange(1, 40), temperature=temp, seed=i)))
-    compiled = _engine(tiny_model_dir, compile=True, compile_backend="eager")
+    compiled = _engine(tiny_model_dir, True, compile=True, compile_backend="eager")
     try:
         runner = compiled.runner
-        assert runner is not None and runner.compiled
+        assert runner is not None and runner.compiled and compiled.async_scheduling
         after_warmup = runner.compilations
         assert after_warmup == runner.buckets.num_programs  # every program built before serving
         got = _serve(compiled, requests)
         assert runner.compilations == after_warmup  # 0 compilations while serving
+        assert compiled.pipeline is not None and compiled.pipeline.steps_ahead > 0
     finally:
         compiled.shutdown()
     eager = _engine(tiny_model_dir)
@@ -108,3 +114,63 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
         assert _serve(eager, requests) == got  # the same tokens, seeded sampling included
     finally:
         eager.shutdown()
+
+
+def _streams(engine: EmbeddedEngine, requests: list[tuple[list[int], SamplingParams]], late: int) -> list:
+    """Every request's stream of chunks (tokens, text, finish reason, tokens counted). The last `late`
+    requests are added once the first one has streamed 3 tokens: they join while others decode."""
+
+    async def one(ids, params, gate=None, started=None):
+        if gate is not None:
+            await gate.wait()
+        chunks = []
+        async for c in engine.generate(ids, params):
+            chunks.append((c.token_ids, c.text, c.finish_reason, c.completion_tokens))
+            if started is not None and sum(len(t) for t, *_ in chunks) >= 3:
+                started.set()
+        return chunks
+
+    async def all_of_them():
+        started = asyncio.Event()
+        first = one(*requests[0], started=started)
+        now = [one(ids, p) for ids, p in requests[1 : len(requests) - late]]
+        later = [one(ids, p, gate=started) for ids, p in requests[len(requests) - late :]]
+        return await asyncio.gather(first, *now, *later)
+
+    return asyncio.run(all_of_them())
+
+
+def test_async_scheduling_streams_equal_sync(tiny_model_dir):
+    """Async scheduling (a greedy step launched before the previous one is read back, its tokens taken
+    on the device) streams exactly what the synchronous loop streams: stop tokens and strings end a
+    sequence whose extra token is discarded, max_tokens and sampled steps (read back first) included."""
+    sync, ahead = _engine(tiny_model_dir), _engine(tiny_model_dir, async_scheduling=True)
+    try:
+        assert not sync.async_scheduling and ahead.async_scheduling  # CPU default: off
+        prompt, rng = list(range(5, 17)), random.Random(0)
+        first, late = [100, 101, 102], [rng.randrange(3, 200) for _ in range(20)]
+        probe = _serve(sync, [(first, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))])[0]
+        at = next(i for i in range(3, len(probe)) if probe[i] not in probe[:i])  # stops after `at` tokens
+        requests = [
+            (first, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[probe[at]])),
+            (prompt[:7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)),  # max_tokens
+            ([9], SamplingParams(max_tokens=5, temperature=0.0)),  # a one-token prompt decodes at once
+            (prompt[:2], SamplingParams(max_tokens=1, temperature=0.0)),
+            ([rng.randrange(3, 200) for _ in range(50)], SamplingParams(max_tokens=17, temperature=0.0)),
+            (prompt[3:], SamplingParams(max_tokens=12, temperature=0.8, seed=5)),  # sampled: read back
+            ([rng.randrange(3, 200) for _ in range(30)], SamplingParams(max_tokens=9, temperature=0.0)),
+            (late, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),  # joins later
+        ]
+        want = _streams(sync, requests, late=1)
+        assert want[0][-1][2] == "stop" and want[0][-1][3] == at  # the stop token ended it
+        assert want[1][-1][2:] == ("length", 40)
+        text = "".join(c[1] for c in want[7])  # a stop string from the late request's own text
+        requests[7] = (requests[7][0], SamplingParams(max_tokens=20, temperature=0.0, stop=[text[6:9]]))
+        want[7] = _streams(sync, [requests[7]], late=0)[0]
+        assert want[7][-1][2] == "stop"
+        assert _streams(ahead, requests, late=1) == want
+        assert ahead.pipeline is not None and ahead.pipeline.steps_ahead > 0
+        assert sync.pipeline is not None and sync.pipeline.steps_ahead == 0
+    finally:
+        sync.shutdown()
+        ahead.shutdown()

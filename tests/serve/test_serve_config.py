@@ -123,6 +123,10 @@ def test_seed_config_is_accepted_and_notes_ignored_kwargs(caplog):
         ),
         (dict(placement_group_config={"bundle_per_worker": {"TPU": 3}}), r"TPU=3 .*valid: 1, 2, 4"),
         (dict(llm_engine="tensorrt"), r"llm_engine='tensorrt'"),
+        (
+            dict(engine_kwargs={"tensor_parallel_size": 16, "async_scheduling": 1}),
+            r"async_scheduling=1 is not valid; valid: True, False, None",
+        ),
     ],
 )
 def test_bad_configs_name_the_value_and_the_valid_ones(overrides, match):

@@ -31,7 +31,7 @@ def server(serve_url, tiny_model_dir):
     from tpuray.serve.llm import LLMServingArgs, build_openai_app, minilm_config
 
     before = set(live_placement_groups())
-    config = tiny_tp4_config(tiny_model_dir)
+    config = tiny_tp4_config(tiny_model_dir, async_scheduling=True)  # workers launch ahead (off: /single)
     single_args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
     assert single_args.single_deployment
     try:
@@ -61,7 +61,7 @@ def test_models_and_replica_layout(client, server):
     ids = sorted(m.id for m in client.models.list())
     assert ids == sorted(["tiny", EMBED_ID])
     info = serve.get_deployment_handle("LLMServer:tiny", app_name="tpuray-llm").describe.remote().result()
-    assert info["tensor_parallel_size"] == 4 and info["emulated"] is True
+    assert info["tensor_parallel_size"] == 4 and info["emulated"] is True and info["async_scheduling"]
     assert [w["rank"] for w in info["workers"]] == [0, 1, 2, 3]
     assert len({w["pid"] for w in info["workers"]}) == 4
     assert all(w["device"].startswith("tpu") for w in info["workers"])
@@ -69,7 +69,8 @@ def test_models_and_replica_layout(client, server):
 
 
 def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
-    """Greedy text from the 4-way sharded engine equals the unsharded engine in this process."""
+    """Greedy text from the 4-way sharded engine (async scheduling) equals the unsharded engine in this
+    process (synchronous)."""
     from tpuray.serve.llm import LLMConfig
     from tpuray.serve.llm.embedded_backend import EmbeddedBackend
     from tpuray.serve.llm.openai_schema import CompletionRequest

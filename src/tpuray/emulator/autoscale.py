@@ -6,10 +6,11 @@ process on the head) and loads `tpuray.emulator.slice_provider.EmulatedSliceProv
 whole slices. One autoscaler "node" is one slice: one launch starts every host of it (their specs come from
 `tpuray.emulator.spec.host_specs`, as for hand-started slices), one termination stops every host of it.
 
-A node type advertises what only a whole slice offers: the slice's head resource ("TPU-v6e-16-head", the
-one resource Ray's and tpuray's SlicePlacementGroup ask for first) and the accelerator-type resource. Demand
-for a slice is therefore a pending head bundle; demand for chips of a named slice (the second placement
-group of a reservation) is never a reason to start another slice.
+A node type advertises the slice's head resource ("TPU-v6e-16-head", the one resource Ray's and tpuray's
+SlicePlacementGroup ask for first) and the accelerator-type resource; a single-host type also its host's
+chips and CPUs, what Ray's own single-host requests ask for (they have no head bundle). Demand for a
+multi-host slice is therefore a pending head bundle; demand for chips of a named multi-host slice (the
+second placement group of a reservation) is never a reason to start a multi-host slice.
 
 The provider publishes the slices it runs in the GCS KV store (`SLICES_KEY`) and the cluster publishes its
 node types (`NODE_TYPES_KEY`), read by `tpuray status` and by `SlicePlacementGroup` to fail fast.
@@ -23,7 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuray.constants import ACCELERATOR_LABEL, POD_TYPE_LABEL, WORKER_ID_LABEL, accelerator_resource
+from tpuray.constants import (
+    ACCELERATOR_LABEL,
+    POD_TYPE_LABEL,
+    TPU_RESOURCE,
+    WORKER_ID_LABEL,
+    accelerator_resource,
+)
 from tpuray.emulator.spec import SliceRequest
 from tpuray.validation import ConfigError, check_positive_int, is_number
 
@@ -76,15 +83,28 @@ class AutoscaleSpec:
         check_positive_int("update_interval_s", self.update_interval_s)
         object.__setattr__(self, "requests", tuple(requests))
 
-    def node_types(self) -> dict[str, dict[str, Any]]:
-        """Ray's `available_node_types` entries of the slice shapes (the head's is added by the caller)."""
+    def node_types(self, cpus_per_chip: int) -> dict[str, dict[str, Any]]:
+        """Ray's `available_node_types` entries of the slice shapes (the head's is added by the caller).
+
+        Every type offers the slice's head resource and its accelerator-type resource. A single-host type
+        also offers its host's chips and CPUs: Ray's own `ray.util.tpu.SlicePlacementGroup` reserves a
+        single-host slice with no head bundle and no label selector, as one bundle `{"TPU": chips, "CPU":
+        1}` (plus `accelerator_type:TPU-V6E` under Ray Train), and a v1 autoscaler node type must offer
+        those resources for Ray to start one (see docs/autoscaling.md). A multi-host type offers no
+        chips: the hosts' bundles of a multi-host reservation are bound to a named slice by label, which
+        Ray's v1 autoscaler ignores, so chips there must never start a slice."""
         types: dict[str, dict[str, Any]] = {}
         for req in self.requests:
             topo = req.slice_topology
             accel = topo.generation.accelerator_type
+            resources: dict[str, float] = {topo.head_resource: 1, accelerator_resource(accel): 1}
+            if topo.num_hosts == 1:
+                resources.update(
+                    {TPU_RESOURCE: topo.chips_per_host, "CPU": cpus_per_chip * topo.chips_per_host}
+                )
             types[node_type_name(req)] = {
                 "node_config": {"accelerator_type": accel, "topology": topo.topology},
-                "resources": {topo.head_resource: 1, accelerator_resource(accel): 1},
+                "resources": resources,
                 "labels": {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type, ACCELERATOR_LABEL: accel},
                 "min_workers": 0,
                 "max_workers": req.count,
@@ -115,7 +135,7 @@ def ray_autoscaling_config(
     spec: AutoscaleSpec, head_cpus: int, provider: dict[str, Any], cluster_name: str = "tpuray-emulated"
 ) -> dict[str, Any]:
     """The whole config Ray's monitor loads (what `ray start --autoscaling-config` would read)."""
-    types = spec.node_types()
+    types = spec.node_types(int(provider["cpus_per_chip"]))
     types[HEAD_NODE_TYPE] = {"node_config": {}, "resources": {"CPU": head_cpus}, "max_workers": 0}
     return {
         "cluster_name": cluster_name,

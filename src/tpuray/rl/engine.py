@@ -241,6 +241,11 @@ class RolloutEngine:
                     f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
                     f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
                 )
+            if isinstance(update, TrainerUpdate) and update.channel is not None and self._local is not None:
+                raise ValueError(
+                    "a TrainerUpdate over weight_sync='tpu_dist' needs the engine's workers on a slice "
+                    "(RolloutConfig accelerator_type and topology); valid here: weight_sync='object_store'"
+                )
         elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
         with self._lock:
@@ -273,7 +278,8 @@ class RolloutEngine:
             if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
                 ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
             elif isinstance(update, TrainerUpdate):  # rank r pulls the pieces addressed to it
-                ray.get(group.call_each("stage_pieces", [(list(refs),) for refs in update.refs]))
+                args = [(list(refs), update.channel) for refs in update.refs]
+                ray.get(group.call_each("stage_pieces", args))
             else:
                 ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
                 ray.get(group.call("stage_weights", ref))

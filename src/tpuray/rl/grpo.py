@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
 
@@ -186,20 +187,15 @@ def grpo_train_loop(config: dict) -> None:  # runs on tpuray.train workers (impo
         rl.send(policy, version=k + 1)
 
 
-def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
-    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
-    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step;
-    `--colocate`: one slice, the engine inside the trainer's two workers, sleeping while they train."""
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngine
-    from tpuray.rl.run import Placement
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-    from tpuray.train import RunConfig, ScalingConfig
+def two_slices(path: str, max_num_seqs: int) -> tuple[Any, Any]:
+    """(RolloutConfig, ScalingConfig) of the `--trainer tpuray` layout: the rollout engine TP=2 on one
+    emulated v6e 2x2 slice, the trainer's 2 workers x 2 chips on another."""
+    from tpuray.rl import RolloutConfig
+    from tpuray.train import ScalingConfig
 
-    placement: Placement = "colocated" if args.colocate else "disaggregated"
-    on_slice = (
-        {} if args.colocate else {"accelerator_type": "TPU-V6E", "topology": "2x2", "chips_per_worker": 2}
+    rollout = RolloutConfig(
+        path, "TPU-V6E", "2x2", chips_per_worker=2, max_model_len=64, max_num_seqs=max_num_seqs
     )
-    rollout = RolloutConfig(path, max_model_len=64, max_num_seqs=64, **on_slice)  # type: ignore[arg-type]
     trainer = ScalingConfig(
         num_workers=2,
         use_tpu=True,
@@ -207,6 +203,32 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
         accelerator_type="TPU-V6E",
         resources_per_worker={"TPU": 2},
     )
+    return rollout, trainer
+
+
+def rl_config(args: argparse.Namespace, path: str) -> Any:
+    """The `RLConfig` of `--trainer tpuray`: `two_slices` (disaggregated, weight_sync "tpu_dist"), or with
+    `--colocate` the trainer's slice of it alone, the engine (TP=2) in its two workers ("object_store",
+    colocated's one transport)."""
+    import dataclasses
+
+    from tpuray.rl import RLConfig
+
+    rollout, trainer = two_slices(path, max_num_seqs=64)
+    if not args.colocate:
+        return RLConfig(rollout, trainer, overlap=args.overlap)
+    on_trainer = dataclasses.replace(rollout, accelerator_type=None, topology=None, chips_per_worker=1)
+    return RLConfig(on_trainer, trainer, placement="colocated", weight_sync="object_store")
+
+
+def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
+    """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step;
+    `--colocate`: one slice, the engine inside the trainer's two workers, sleeping while they train."""
+    from tpuray.rl import RLRun, RolloutEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.train import RunConfig
+
     prompts = [p for p in PROMPTS for _ in range(args.group)]
     split: list[tuple[float, float, float]] = []
 
@@ -222,7 +244,7 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     config = {"path": path, "lr": args.lr, "epochs": args.epochs, "seed": args.seed}
     with tempfile.TemporaryDirectory(prefix="rl-grpo-run-") as storage:
         run = RLRun(
-            RLConfig(rollout, trainer, placement=placement, overlap=args.overlap),
+            rl_config(args, path),
             grpo_train_loop,
             train_loop_config=config,
             run_config=RunConfig(storage_path=storage, name="grpo", verbose=0),

@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import RolloutEngine
-from tpuray.rl.sync import WeightSync
+from tpuray.rl.sync import TRANSPORTS, Transport, WeightSync
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,19 @@ class RLConfig:
     overlap: bool = False
     """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
     batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
+    weight_sync: Transport = "tpu_dist"
+    """How the trainer's weights reach the rollout engine's workers; either way each trainer rank sends
+    every rollout tensor-parallel rank only the rows of its part that it holds, no copy passes the
+    driver, and a name or shape mismatch is refused before anything is overwritten.
+    "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
+    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
+    driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
+    driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
+    "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
+    the driver, each rollout rank pulls its objects and checks them (no process group between the two
+    sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
+    placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
+    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     trainer_world_size: int = field(init=False, default=0)
@@ -77,12 +90,27 @@ class RLConfig:
             )
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
+        if self.weight_sync not in TRANSPORTS:
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid; valid: {', '.join(TRANSPORTS)}"
+            )
         if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
             raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
         self.trainer_world_size = self.trainer.num_workers
         if self.placement == "colocated":
             self._check_colocated()
-        elif not self.rollout.on_slice or not self.trainer.use_tpu:
+        else:
+            self._check_disaggregated()
+
+    def _check_disaggregated(self) -> None:
+        if self.rollout.resolved_engine != "embedded":
+            raise ConfigError(
+                f"RLConfig.rollout: an RLRun's weight sync loads into the embedded engine's tensor-parallel "
+                f"workers; the rollout engine resolved to {self.rollout.resolved_engine!r} (vLLM's workers take "
+                "full tensors through its weight loaders: RolloutEngine.update_weights(state_dict)); valid: "
+                "RolloutConfig(engine='embedded')"
+            )
+        if not self.rollout.on_slice or not self.trainer.use_tpu:
             raise ConfigError(
                 f"RLConfig.placement='disaggregated' puts the trainer and the rollout engine on slices of "
                 f"their own: RolloutConfig(accelerator_type={self.rollout.accelerator_type!r}, "
@@ -116,6 +144,13 @@ class RLConfig:
                 f"RLConfig.placement='colocated' needs one TPU slice for the trainer: "
                 f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
                 "valid: use_tpu=True on one slice"
+            )
+        if self.weight_sync != "object_store":
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid with placement='colocated': its "
+                "process group spans the trainer's and the engine's workers, and colocated they are the same "
+                "processes (each rank's pieces go to its own engine rank through its host's object store); "
+                "valid: weight_sync='object_store'"
             )
 
     @property
@@ -199,6 +234,7 @@ class RLRun:
                 self.config.rollout_tensor_parallel_size,
                 self.config.trainer_world_size,
                 self.config.sync_timeout_s,
+                self.config.weight_sync,
             )
         except BaseException:
             self._shutdown_engine()
@@ -208,6 +244,8 @@ class RLRun:
             batches, times = self._loop(sync, iterations, rollout_fn)
             return RLResult(self._finish(), batches, times)
         except BaseException as e:
+            if self.config.placement == "disaggregated":
+                self._shutdown_engine()  # first: a trainer rank mid-send over tpu_dist then fails, not waits
             self._stop(sync)
             if isinstance(e, RLRunError):
                 raise
@@ -368,6 +406,7 @@ class RLRun:
         from tpuray.rl.weights import WeightMismatchError
 
         try:
+            sync.release(update, version, engine.model_config)  # tpu_dist: checked before data moves
             engine.update_weights(update)
         except WeightMismatchError as e:
             sync.ack(version, error=str(e))  # the trainer's ranks raise it too

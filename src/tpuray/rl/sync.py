@@ -1,19 +1,23 @@
 """Weight sync straight from a `tpuray.train` run into a `RolloutEngine`'s workers (issue 23, item 2).
 
-Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs and
-puts one object per rollout rank in Ray's object store; only the ObjectRefs travel through a small
-mailbox actor to the driver, which hands them to the engine: rollout rank r pulls the pieces addressed to
-it from every trainer rank, checks and assembles them, and stages its fused shards (the engine's
-all-or-nothing stage / commit). No full copy of the state on the driver.
+Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs.
+Transport "object_store": it puts one object per rollout rank in Ray's object store; only the ObjectRefs
+travel through a small mailbox actor to the driver, which hands them to the engine: rollout rank r pulls
+the pieces addressed to it from every trainer rank, checks and assembles them, and stages its fused
+shards (the engine's all-or-nothing stage / commit). Transport "tpu_dist" (`tpuray.rl.collective`): only
+the pieces' metadata travels through the mailbox; the driver checks it (`WeightSync.release`), then the
+trainer ranks send the data over a process group spanning both sides and rollout rank r receives, checks,
+assembles and stages as above. No full copy of the state on the driver.
 
 - sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank sends the rows it holds;
 - replicated trainer (DDP, or one worker): rank 0 sends the full state, the other ranks nothing.
 
 On the trainer (in the train loop):      `target.send(model, version)`  (every rank; blocks until the
                                           engine committed the update, so the objects' owner outlives it)
-On the driver:                            `sync = WeightSync(engine, trainer_world_size)`,
-                                          `engine.update_weights(sync.receive(version, alive))`,
-                                          `sync.ack(version)`.
+On the driver:                            `sync = WeightSync(tp, trainer_world_size, transport=...)`,
+                                          `update = sync.receive(version, alive)`,
+                                          `sync.release(update, version, engine.model_config)`,
+                                          `engine.update_weights(update)`, `sync.ack(version)`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
+from tpuray.rl.collective import Channel, Rendezvous, check_metas, member, pack
 from tpuray.rl.weights import (
     WeightMismatchError,
     _own_storage,
@@ -35,6 +40,8 @@ from tpuray.rl.weights import (
     split_dim,
 )
 
+Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 Piece = tuple[int, torch.Tensor]  # (first row within the rollout rank's part, rows)
 POLL_S = 0.5
 
@@ -45,11 +52,14 @@ class SyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainerUpdate:
-    """A weight update sent by the ranks of a trainer: `refs[r]` are the ObjectRefs of the pieces for
-    rollout rank r (one per trainer rank that holds some of it). Pass it to `RolloutEngine.update_weights`."""
+    """A weight update sent by the ranks of a trainer: `refs[r]` are what rollout rank r receives from
+    each trainer rank that holds some of its part: the ObjectRefs of the pieces (weight_sync
+    "object_store"), or (trainer rank, the pieces' metadata) whose data comes over `channel`'s process
+    group ("tpu_dist", `tpuray.rl.collective`). Pass it to `RolloutEngine.update_weights`."""
 
     refs: tuple[tuple[Any, ...], ...]
     nbytes: tuple[int, ...]  # bytes each rollout rank receives
+    channel: Channel | None = None  # tpu_dist: where the group meets; None: through the object store
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -135,6 +145,7 @@ class SyncTarget:
     tensor_parallel_size: int
     timeout_s: float
     iterations: int = 0  # of an RLRun: how many batches the driver sends
+    channel: Channel | None = None  # weight_sync "tpu_dist": the group's rendezvous; None: object store
     colocated: bool = False  # of an RLRun: the rollout engine runs in the trainer's workers
 
     def batch(self, k: int) -> Any:
@@ -156,9 +167,18 @@ class SyncTarget:
 
         rank = _rank()
         pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size)
-        refs = [ray.put(p) if p else None for p in pieces]
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
-        ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (refs, nbytes)))
+        if self.channel is None:
+            refs = [ray.put(p) if p else None for p in pieces]
+            ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (refs, nbytes)))
+        else:  # only the metadata goes through the mailbox; the data once the driver checked it
+            packed = [pack(p) for p in pieces]
+            offers = [(rank, m) if m else None for m, _ in packed]
+            ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (offers, nbytes)))
+            refused = self.get(f"go/{version}/{rank}")
+            if refused is not None:
+                raise WeightMismatchError(refused)
+            member(self.channel, rank).send_all([f for _, f in packed])
         error = self.get(f"ack/{version}/{rank}")
         if error is not None:
             raise WeightMismatchError(error)
@@ -219,10 +239,14 @@ def _join(name: str, pieces: list[Piece], full: tuple[int, ...], rank: int, worl
     return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])
 
 
-def resolve_pieces(refs: Any) -> list[dict[str, Piece]]:
+def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> list[dict[str, Piece]]:
+    """The pieces addressed to rollout rank `rank`: pulled from the object store, or received over the
+    tpu_dist group (`channel`) from the trainer ranks that offered them."""
     import ray
 
-    return list(ray.get([r for r in refs if r is not None]))
+    if channel is None:
+        return list(ray.get([r for r in refs if r is not None]))
+    return member(channel, channel.rollout_rank(rank)).recv_all(list(refs))
 
 
 # -- the driver's side ----------------------------------------------------------------------------------
@@ -254,12 +278,26 @@ class WeightSync:
     """The driver's end of the sync between a trainer run of `trainer_world_size` ranks and a rollout
     engine of `tensor_parallel_size` ranks: a mailbox actor (no CPU) that ObjectRefs pass through."""
 
-    def __init__(self, tensor_parallel_size: int, trainer_world_size: int, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        tensor_parallel_size: int,
+        trainer_world_size: int,
+        timeout_s: float = 600.0,
+        transport: Transport = "object_store",
+    ) -> None:
         import ray
 
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is invalid; valid: {', '.join(TRANSPORTS)}")
         self.world_size = trainer_world_size
+        self.rendezvous = (
+            Rendezvous(trainer_world_size, tensor_parallel_size, timeout_s)
+            if transport == "tpu_dist"
+            else None
+        )
         self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(max_concurrency=1000).remote()
-        self.target = SyncTarget(self.mailbox, tensor_parallel_size, timeout_s)
+        channel = self.rendezvous.channel if self.rendezvous is not None else None
+        self.target = SyncTarget(self.mailbox, tensor_parallel_size, timeout_s, channel=channel)
 
     def put(self, key: str, value: Any) -> None:
         import ray
@@ -277,7 +315,24 @@ class WeightSync:
                 if sent[r] is not None:
                     refs[r].append(sent[r])
                     nbytes[r] += sizes[r]
-        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes))
+        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), self.target.channel)
+
+    def release(self, update: TrainerUpdate, version: int, config: Mapping[str, Any]) -> None:
+        """tpu_dist: check the offered pieces' names and shapes against the engine's model (`config`)
+        and let the trainer ranks send, or tell them why not and raise WeightMismatchError (nothing
+        moved). Nothing to do for the object store (each rollout rank checks the pieces it pulled)."""
+        import ray
+
+        if update.channel is None:
+            return
+        error: str | None = None
+        try:
+            check_metas([[m for _, m in offers] for offers in update.refs], config)
+        except WeightMismatchError as e:
+            error = str(e)
+        ray.get([self.mailbox.put.remote(f"go/{version}/{r}", error) for r in range(self.world_size)])
+        if error is not None:
+            raise WeightMismatchError(error)
 
     def ready(self, k: int, alive: Callable[[], None] = lambda: None) -> list[Any]:
         """Colocated: wait until every trainer rank waits for batch `k`; what each sent (its actor
@@ -306,3 +361,5 @@ class WeightSync:
         import ray
 
         ray.kill(self.mailbox, no_restart=True)
+        if self.rendezvous is not None:
+            self.rendezvous.close()

@@ -81,13 +81,15 @@ class RunnerWeights:
         self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
-    def stage_pieces(self, refs: Any) -> int:
+    def stage_pieces(self, refs: Any, channel: Any = None) -> int:
         """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
-        `TrainerUpdate`'s refs for this rank); checked like `stage_shards`."""
+        `TrainerUpdate`'s refs for this rank; received over its tpu_dist `channel` when it has one);
+        checked like `stage_shards`."""
         from tpuray.rl.sync import assemble, resolve_pieces
 
         self.staged = None
-        shards = assemble(resolve_pieces(refs), self.config, self.rank, self.world_size)
+        pieces = resolve_pieces(refs, channel, self.rank)
+        shards = assemble(pieces, self.config, self.rank, self.world_size)
         return self.stage_shards(shards)
 
     def commit(self) -> int:
@@ -186,8 +188,8 @@ class RolloutWorker(EngineWorker):
     def stage_shards(self, shards: Any) -> int:
         return self._w().stage_shards(shards)
 
-    def stage_pieces(self, refs: Any) -> int:
-        return self._w().stage_pieces(refs)
+    def stage_pieces(self, refs: Any, channel: Any = None) -> int:
+        return self._w().stage_pieces(refs, channel)
 
     def commit_weights(self) -> int:
         return self._w().commit()

@@ -40,7 +40,7 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         self._size = size
         self._group_name = ""
         self._group_desc = ""
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -63,6 +63,11 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         return f"TpuDistProcessGroup(rank={self.rank()}, size={self.size()}, EMULATED on CPU via gloo)"
 
     # ------------------------------------------------------------------ helpers
+    def _live(self) -> dist.ProcessGroupGloo:
+        if self._gloo is None:
+            raise RuntimeError("this tpu_dist process group was shut down (destroy_process_group)")
+        return self._gloo
+
     def _done(self, work, result, post=None):
         """A Work whose future yields ``result`` (the caller's tensors) once gloo's work completes.
 
@@ -114,30 +119,30 @@ class TpuDistProcessGroup(dist.ProcessGroup):
                 opts.reduceOp = op
         local = _loc(tensors)
         gopts, post = self._reduce_opts(opts, dist.AllreduceOptions, local)
-        return self._done(self._gloo.allreduce(local, gopts), tensors, post)
+        return self._done(self._live().allreduce(local, gopts), tensors, post)
 
     def allreduce_coalesced(self, tensors, opts):
         local = _loc(tensors)
         gopts, post = self._reduce_opts(opts, dist.AllreduceCoalescedOptions, local)
-        return self._done(self._gloo.allreduce_coalesced(local, gopts), tensors, post)
+        return self._done(self._live().allreduce_coalesced(local, gopts), tensors, post)
 
     def reduce(self, tensors, opts):
         local = _loc(tensors)
         gopts, post = self._reduce_opts(opts, dist.ReduceOptions, local)
         if post is not None and self.rank() != opts.rootRank:
             post = None
-        return self._done(self._gloo.reduce(local, gopts), tensors, post)
+        return self._done(self._live().reduce(local, gopts), tensors, post)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out = _loc(output_tensors)
         gopts, post = self._reduce_opts(opts, dist.ReduceScatterOptions, out)
         inp = [_loc(ts) for ts in input_tensors]
-        return self._done(self._gloo.reduce_scatter(out, inp, gopts), output_tensors, post)
+        return self._done(self._live().reduce_scatter(out, inp, gopts), output_tensors, post)
 
     def _reduce_scatter_base(self, output, input, opts):
         out = local_tensor(output)
         gopts, post = self._reduce_opts(opts, dist.ReduceScatterOptions, [out])
-        work = self._gloo._reduce_scatter_base(out, local_tensor(input), gopts)
+        work = self._live()._reduce_scatter_base(out, local_tensor(input), gopts)
         return self._done(work, [output], post)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -148,17 +153,17 @@ class TpuDistProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts):
-        return self._done(self._gloo.broadcast(_loc(tensors), opts), tensors)
+        return self._done(self._live().broadcast(_loc(tensors), opts), tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         out = [_loc(ts) for ts in output_tensors]
-        work = self._gloo.allgather(out, _loc(input_tensors), opts)
+        work = self._live().allgather(out, _loc(input_tensors), opts)
         return self._done(work, output_tensors)
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        work = self._gloo._allgather_base(local_tensor(output), local_tensor(input), opts)
+        work = self._live()._allgather_base(local_tensor(output), local_tensor(input), opts)
         return self._done(work, [output])
 
     all_gather_single = _allgather_base
@@ -166,7 +171,7 @@ class TpuDistProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         out = [_loc(ts) for ts in output_lists]
-        work = self._gloo.allgather_coalesced(out, _loc(input_tensors), opts)
+        work = self._live().allgather_coalesced(out, _loc(input_tensors), opts)
         return self._done(work, output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -175,17 +180,17 @@ class TpuDistProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts):
         out = [_loc(ts) for ts in output_tensors]
-        work = self._gloo.gather(out, _loc(input_tensors), opts)
+        work = self._live().gather(out, _loc(input_tensors), opts)
         return self._done(work, output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         inp = [_loc(ts) for ts in input_tensors]
-        work = self._gloo.scatter(_loc(output_tensors), inp, opts)
+        work = self._live().scatter(_loc(output_tensors), inp, opts)
         return self._done(work, output_tensors)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        work = self._gloo.alltoall_base(
+        work = self._live().alltoall_base(
             local_tensor(output), local_tensor(input), output_split_sizes, input_split_sizes, opts
         )
         return self._done(work, [output])
@@ -201,8 +206,8 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         works = []
         for peer in range(self._size):
             if peer != me:
-                works.append(self._gloo.send([inp[peer].contiguous()], peer, 7))
-                works.append(self._gloo.recv([out[peer]], peer, 7))
+                works.append(self._live().send([inp[peer].contiguous()], peer, 7))
+                works.append(self._live().recv([out[peer]], peer, 7))
         for w in works:
             w.wait()
         fut = torch.futures.Future()
@@ -210,17 +215,17 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         return _create_work_from_future(fut)
 
     def barrier(self, opts=None):
-        return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+        return self._live().barrier(opts if opts is not None else dist.BarrierOptions())
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensors, dst_rank, tag):
-        return self._gloo.send(_loc(tensors), dst_rank, tag)
+        return self._live().send(_loc(tensors), dst_rank, tag)
 
     def recv(self, tensors, src_rank, tag):
-        return self._gloo.recv(_loc(tensors), src_rank, tag)
+        return self._live().recv(_loc(tensors), src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
-        return self._gloo.recv_anysource(_loc(tensors), tag)
+        return self._live().recv_anysource(_loc(tensors), tag)
 
     # ------------------------------------------------------------------ misc
     def _all(self, works, result):
@@ -228,10 +233,20 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         return _create_work_from_future(torch.futures.collect_all(futs).then(lambda f: result))
 
     def shutdown(self) -> None:
-        self._gloo.shutdown()
+        """Stop gloo and drop it here, on the caller's thread (``destroy_process_group``).
+
+        Kept alive past this point (a DDP model still holds this group), gloo would be destroyed at
+        interpreter exit with its worker threads running: the process aborts ("terminate called
+        without an active exception") about one exit in five.
+        """
+        if self._gloo is not None:
+            self._gloo.shutdown()
+            self._gloo = None
 
     def abort(self) -> None:
-        self._gloo.abort()
+        if self._gloo is not None:
+            self._gloo.abort()
+            self._gloo = None
 
 
 def _create(store, rank, size, timeout):

@@ -5,7 +5,9 @@ Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constr
    picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
    extra task);
 2. one placement group with one bundle per host (or per chip share), each bound by label selector to
-   `{ray.io/tpu-slice-name: <slice>, ray.io/tpu-worker-id: <worker>}`, ordered slice-major by worker id.
+   `{ray.io/tpu-slice-name: <slice>, ray.io/tpu-worker-id: <worker>}`, ordered slice-major by worker id,
+   each also asking for a sliver of the slice's own resource (`<slice>`, which Ray gives its hosts), so
+   that Ray's autoscaler, which reads resources and not labels, sees the bundles as that slice's.
 The constructor returns once every bundle is placed; if that does not happen within `timeout_s`, every
 placement group it created is removed and SliceReservationTimeout says what was asked and what exists.
 """
@@ -25,11 +27,24 @@ from tpuray.constants import (
     WORKER_ID_LABEL,
 )
 from tpuray.emulator.autoscale import check_slices_can_come
-from tpuray.slices.inventory import format_slices, list_slices
+from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
 
 logger = logging.getLogger(__name__)
+
+# Of the slice-name resource (1 per host), what one bundle takes: room for 1000 bundles per host.
+SLICE_RESOURCE_SHARE = 0.001
+
+
+def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> list[SliceInfo]:
+    """On an autoscaling emulated cluster, a ConfigError naming the shape and the autoscaler's node types
+    when `num_slices` slices of `topo` can never be reserved (see `check_slices_can_come`); elsewhere
+    nothing is checked. Returns the slices of that pod type alive now (requires ray.init())."""
+    same = [s for s in list_slices() if s.pod_type == topo.pod_type]
+    shape = f"{topo.generation.accelerator_type} {topo.topology}"
+    check_slices_can_come(topo.pod_type, shape, num_slices, [s.name for s in same])
+    return same
 
 
 class SliceReservationTimeout(TimeoutError):
@@ -137,9 +152,7 @@ class SlicePlacementGroup:
         topo, start = self._topology, time.monotonic()
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
         # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
-        same = [s for s in list_slices() if s.pod_type == topo.pod_type]
-        shape = f"{topo.generation.accelerator_type} {topo.topology}"
-        check_slices_can_come(topo.pod_type, shape, self._num_slices, [s.name for s in same])
+        same = check_slices_can_be_reserved(topo, self._num_slices)
         idle = [s.name for s in same if s.idle and s.intact and not s.draining]
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
@@ -165,17 +178,23 @@ class SlicePlacementGroup:
             self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved{bound}")
 
         node_of = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
-        labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes()}
-        self._slice_names = [labels[node_id][SLICE_NAME_LABEL] for node_id in node_of]
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
+        self._slice_names = [(nodes[node_id].get("Labels") or {})[SLICE_NAME_LABEL] for node_id in node_of]
 
         bundles: list[dict[str, float]] = []
         selector: list[dict[str, str]] = []
-        for slice_name in self._slice_names:
+        for slice_name, node_id in zip(self._slice_names, node_of, strict=True):
+            bundle = dict(self._bundle)
+            # Ray gives every host of a slice a resource named after it (TPU_NAME): asking for a sliver of it
+            # says "this slice" in resources too, which Ray's autoscaler reads (it drops label selectors).
+            # A bundle pinned to a lost slice is then demand no node type offers: it starts no new slice.
+            if (nodes[node_id].get("Resources") or {}).get(slice_name):
+                bundle[slice_name] = SLICE_RESOURCE_SHARE
             for worker in range(topo.num_hosts):
                 for _ in range(self._bundles_per_host):
                     user = self._user_selector[len(selector)]
                     selector.append({**user, SLICE_NAME_LABEL: slice_name, WORKER_ID_LABEL: str(worker)})
-                    bundles.append(dict(self._bundle))
+                    bundles.append(dict(bundle))
         self._selector = selector
         self._pg = placement_group(
             bundles,

@@ -322,10 +322,26 @@ def _server_options(config: LLMConfig) -> dict[str, Any]:
     return opts
 
 
+def _check_slice_can_come(config: LLMConfig) -> None:
+    """A replica on a slice no node type of an autoscaling emulated cluster can bring fails here, naming
+    the shape and the node types, before anything is deployed (elsewhere, or with no Ray connection
+    yet, nothing is checked: the replica's reservation waits for its slice)."""
+    import ray
+
+    if config.topology is None or not ray.is_initialized():
+        return
+    from tpuray.emulator.autoscale import published_node_types
+    from tpuray.slices.placement import check_slices_can_be_reserved
+
+    if published_node_types() is not None:  # one KV read; lists the slices only on such a cluster
+        check_slices_can_be_reserved(config.topology)
+
+
 def build_llm_deployment(llm_config: LLMConfig | dict, *, name_prefix: str | None = None):
     """One model as a Serve application (its handle serves `handle(endpoint, body)`, `handle_stream`...)."""
     config = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig.from_dict(llm_config)
     config.check_model_source()
+    _check_slice_can_come(config)
     opts = _server_options(config)
     if name_prefix:
         opts["name"] = name_prefix + opts["name"]
@@ -349,6 +365,7 @@ def build_openai_app(llm_serving_args: LLMServingArgs | dict):
     )
     for config in args.llm_configs:
         config.check_model_source()
+        _check_slice_can_come(config)
     model_ids = [c.model_id for c in args.llm_configs]
     if args.single_deployment:  # one deployment, named like the model's LLMServer, with the model's options
         (config,) = args.llm_configs

@@ -191,6 +191,10 @@ class LLMConfig:
             check_positive_int("max_model_len", kw["max_model_len"])
         check_positive_int("max_num_seqs", kw.get("max_num_seqs", 1))
         check_choice("task", kw.get("task", "generate"), TASKS)
+        if kw.get("async_scheduling") is not None and not isinstance(kw["async_scheduling"], bool):
+            raise ConfigError(
+                f"async_scheduling={kw['async_scheduling']!r} is not valid; valid: True, False, None (off)"
+            )
 
     def _validate_embedded_kwargs(self) -> None:
         kw = self.engine_kwargs

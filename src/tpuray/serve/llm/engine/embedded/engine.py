@@ -14,6 +14,7 @@ serving replica fails its health check and Serve replaces it on a fresh slice re
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -23,8 +24,9 @@ from typing import Any
 
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.engine.embedded.pipeline import Flight, StepPipeline
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
-from tpuray.serve.llm.engine.embedded.runner import ModelRunner, StepResult
+from tpuray.serve.llm.engine.embedded.runner import Launched, ModelRunner, StepResult
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, SeqOutput, Sequence
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
@@ -86,6 +88,8 @@ class EmbeddedEngine(PromptEncoder):
         self.closed = False
         self.worker_info: list[dict] = []
         self._loop_task: asyncio.Task | None = None
+        self.pipeline: StepPipeline | None = None  # the step loop's (made with it)
+        self._step_ids = itertools.count()  # the workers' handles of launched steps
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
         self.dead: BaseException | None = None  # Ray's error of a worker's death (never cleared)
@@ -116,6 +120,12 @@ class EmbeddedEngine(PromptEncoder):
                 **(runner_options or {}),
             )
             self.runner.warmup()  # a no-op unless it compiles (a real TPU)
+        requested = config.engine_kwargs.get("async_scheduling")
+        self.async_scheduling: bool = bool(requested)
+        """engine_kwargs `async_scheduling` (vLLM's name; True, or False / None: off, the default): launch
+        each greedy step before the previous one is read back (pipeline.py); the tokens are the same
+        either way. Off by default everywhere until a real chip confirms it: on torch_tpu 0.2.0 the
+        greedy tokens of a reused cache slot already differ without it (docs/real-tpu.md)."""
 
     # -- workers ------------------------------------------------------------------------------------------
     def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:
@@ -165,16 +175,40 @@ class EmbeddedEngine(PromptEncoder):
             "workers": self.worker_info,
             "slice": repr(self.group) if self.group else None,
             "emulated": emulated,
+            "async_scheduling": self.async_scheduling,
         }
 
-    async def _step(self, batch, need_logits: bool) -> StepResult:
-        """One step's StepResult: from the in-process runner, or rank 0 of the group."""
+    def _closed_error(self) -> EngineShutDownError:
+        return EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
+
+    async def _launch(self, flight: Flight) -> Launched | int | None:
+        """Start a step's programs: the in-process runner's handle, or the step's id (workers keep
+        their handles by id). Synchronously (no async scheduling) nothing: `_collect` runs the step in
+        one call, as before async scheduling existed."""
+        if not self.async_scheduling:
+            return None
         if self.runner is not None:
-            result = await asyncio.to_thread(self.runner.step, batch, need_logits)
+            return await asyncio.to_thread(self.runner.launch, flight.batch, flight.need_logits)
+        if self.group is None:
+            raise self._closed_error()
+        step_id = next(self._step_ids)
+        await asyncio.gather(*self.group.call("launch", step_id, flight.batch, flight.need_logits))
+        return step_id
+
+    async def _collect(self, flight: Flight) -> StepResult:
+        """A launched step's StepResult (or a step's, launched here): from the in-process runner, or
+        rank 0 of the group."""
+        batch, need_logits, handle = flight.batch, flight.need_logits, flight.handle
+        if self.runner is not None:
+            if handle is None:
+                result = await asyncio.to_thread(self.runner.step, batch, need_logits)
+            else:
+                result = await asyncio.to_thread(self.runner.collect, handle)
         elif self.group is not None:
-            result = (await asyncio.gather(*self.group.call("step", batch, need_logits)))[0]
+            call = ("step", batch, need_logits) if handle is None else ("collect", handle)
+            result = (await asyncio.gather(*self.group.call(*call)))[0]
         else:
-            raise EngineShutDownError(f"the engine of model {self.config.model_id!r} is shut down")
+            raise self._closed_error()
         assert result is not None  # rank 0 returns the logits
         return result
 
@@ -185,29 +219,47 @@ class EmbeddedEngine(PromptEncoder):
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        """Each turn launches the next step (with async scheduling: ahead of reading back the one in
+        flight) and reads back and processes the step that must be (pipeline.py)."""
         sched, wakeup = self.scheduler, self._wakeup
         assert wakeup is not None  # made by _ensure_loop, with this task
+        pipe = self.pipeline = StepPipeline(sched, ahead=self.async_scheduling)
         while True:
-            if not sched.has_work():
+            if not pipe.in_flight and not sched.has_work():
                 wakeup.clear()
                 await wakeup.wait()
                 continue
-            seqs, batch = sched.schedule()
-            if not seqs:
+            flight = pipe.next_step()
+            if flight is not None:
+                try:
+                    pipe.launched(flight, await self._launch(flight))
+                except Exception as e:  # a failed step fails its sequences, the engine keeps serving others
+                    if self._step_failed(flight, e):
+                        return
+                    flight = None
+            done = pipe.to_collect(flight is not None)
+            if done is not None:
+                try:
+                    result = await self._collect(done)
+                except Exception as e:
+                    if self._step_failed(done, e):
+                        return
+                    continue
+                pipe.process(done, result)
+            elif flight is None:
                 await asyncio.sleep(0.001)
-                continue
-            try:
-                result = await self._step(batch, sched.needs_logits(seqs))
-            except Exception as e:  # a failed step fails its sequences, the engine keeps serving others
-                if self._died(e):
-                    return
-                logger.exception("engine step failed")
-                self.error = e
-                for seq in seqs:
-                    sched.abort(seq)
-                    seq.queue.put_nowait(e)
-                continue
-            sched.process(seqs, result.logits, result.prompt_logprobs, result.token_ids)
+
+    def _step_failed(self, flight: Flight, error: Exception) -> bool:
+        """Fail a step's sequences; True when the engine is dead (a worker died)."""
+        if self._died(error):
+            return True
+        logger.exception("engine step failed")
+        self.error = error
+        for seq in flight.seqs:
+            if not seq.finished:
+                self.scheduler.abort(seq)
+                seq.queue.put_nowait(error)
+        return False
 
     def _died(self, error: BaseException) -> bool:
         """When `error` is a worker's death: mark the engine dead and fail every sequence it holds."""

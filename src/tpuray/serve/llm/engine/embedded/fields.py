@@ -25,6 +25,7 @@ EMBEDDED_ENGINE_KWARGS = {
     "dtype",
     "seed",
     "task",
+    "async_scheduling",  # launch a greedy step before the previous one is read back (pipeline.py)
 }
 # vLLM options that are harmless to ignore in the embedded engine (a note is logged).
 IGNORED_ENGINE_KWARGS = {

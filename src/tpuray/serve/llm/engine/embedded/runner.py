@@ -17,6 +17,7 @@ import torch
 from tpuray.serve.llm.engine.embedded.logits import TokenLogprobs, token_logprobs
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama
 from tpuray.serve.llm.engine.embedded.step_plan import (
+    FROM_DEVICE,
     Buckets,
     DecodeBatch,
     PrefillPack,
@@ -41,6 +42,17 @@ class StepResult:
     prompt_logprobs: PromptLogprobs = field(default_factory=dict)
 
 
+@dataclass
+class Launched:
+    """A step whose programs are launched (on a TPU: queued on the device) and not yet read back:
+    `ModelRunner.collect` turns it into the StepResult. `parts`: each pack's / batch's rows with its
+    logits and greedy ids, still on the device."""
+
+    batch: Step
+    need_logits: bool
+    parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
 def _real_tpu(device: torch.device) -> bool:
     from tpuray.runtime import is_emulated
 
@@ -53,7 +65,9 @@ class ModelRunner:
     `compile` (default: on a real TPU) compiles the prefill and decode programs with torch.compile
     (`dynamic=False`, torch_tpu's "tpu" backend on a TPU, `compile_backend` to choose another) for every
     bucket in `warmup()`, so that serving never compiles again; steps are padded to the buckets
-    (step_plan.py). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
+    (step_plan.py). Every program also stores its greedy ids in `last_ids` (one per cache slot, on the
+    device), where a decode row whose token is `FROM_DEVICE` takes its input: a step can be launched
+    before the previous one is read back (async scheduling: `launch`, then `collect`). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
     anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes)."""
 
     def __init__(
@@ -76,6 +90,7 @@ class ModelRunner:
         self.rank = rank
         self.device = self.model.device
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
+        self.last_ids = torch.zeros(self.cache.trash_slot + 1, dtype=torch.long, device=self.device)
         self.compiled = _real_tpu(self.device) if compile is None else compile
         padded = self.compiled or static_shapes
         if buckets is None:
@@ -92,13 +107,20 @@ class ModelRunner:
 
     # -- programs -----------------------------------------------------------------------------------------
     def _prefill_program(self, packed, num_prompts: int):
-        logits = self.model.prefill(*PrefillPack.unpack(packed, num_prompts), self.cache)
-        return logits, logits.argmax(dim=-1)
+        tokens, positions, segments, slots, last = PrefillPack.unpack(packed, num_prompts)
+        logits = self.model.prefill(tokens, positions, segments, slots, last, self.cache)
+        ids = logits.argmax(dim=-1)
+        # a real prompt has >= 2 tokens, so its last index is >= 1; padding entries (0) go to the trash
+        self.last_ids[torch.where(last > 0, slots[last], self.cache.trash_slot)] = ids
+        return logits, ids
 
     def _decode_program(self, packed, context_len: int):
         tokens, positions, slots = packed
+        tokens = torch.where(tokens == FROM_DEVICE, self.last_ids[slots], tokens)
         logits = self.model.decode(tokens, positions, slots, self.cache, context_len)
-        return logits, logits.argmax(dim=-1)
+        ids = logits.argmax(dim=-1)
+        self.last_ids[slots] = ids
+        return logits, ids
 
     def _compile(self, backend_name: str) -> None:
         from torch._dynamo import config as dynamo_config
@@ -154,16 +176,28 @@ class ModelRunner:
     def step(self, batch: Step, need_logits: bool = True) -> StepResult | None:
         """Rank 0: the StepResult of the batch (rows in batch order); other ranks: None. Every rank runs
         the same programs (their all_reduces pair up)."""
-        echo = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is not None]
+        return self.collect(self.launch(batch, need_logits))
+
+    def launch(self, batch: Step, need_logits: bool = True) -> Launched:
+        """Start the batch's programs without reading anything back (echo rows run in `collect`). A
+        decode row's token may be FROM_DEVICE: the greedy id of its slot's latest launched step."""
+        trash, launched = self.cache.trash_slot, Launched(batch, need_logits)
         prefill = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is None]
         decode = [i for i, (_, ids, _, _) in enumerate(batch) if len(ids) == 1]
+        for p in pack_prefills(batch, prefill, self.buckets, trash):
+            launched.parts.append((p.rows, *self._run_prefill(p)))
+        for d in decode_batches(batch, decode, self.buckets, trash):
+            launched.parts.append((d.rows, *self._run_decode(d, d.context_len)))
+        return launched
+
+    def collect(self, launched: Launched) -> StepResult | None:
+        """Read a launched step back (rank 0: its StepResult; other ranks: None)."""
+        batch, need_logits = launched.batch, launched.need_logits
+        echo = [i for i, (_, ids, _, n) in enumerate(batch) if len(ids) > 1 and n is not None]
         greedy = [0] * len(batch)
         out = torch.empty(len(batch), self.model.vocab_size) if need_logits or echo else None
-        trash = self.cache.trash_slot
-        for p in pack_prefills(batch, prefill, self.buckets, trash):
-            self._collect(p.rows, out, greedy, *self._run_prefill(p))
-        for d in decode_batches(batch, decode, self.buckets, trash):
-            self._collect(d.rows, out, greedy, *self._run_decode(d, d.context_len))
+        for rows, logits, ids in launched.parts:
+            self._collect(rows, out, greedy, logits, ids)
         prompt_lps = {i: self._echo(batch[i], i, out, greedy) for i in echo}
         if self.rank != 0:
             return None

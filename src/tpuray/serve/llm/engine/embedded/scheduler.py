@@ -28,6 +28,7 @@ from tpuray.serve.llm.engine.embedded.logits import (
     token_logprobs,
 )
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.step_plan import FROM_DEVICE
 
 
 @dataclass
@@ -110,21 +111,39 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], list[tuple[int, list[int], int, int | None]]]:
-        """The sequences of the next step and the worker batch (slot, new tokens, start position)."""
+    def schedule(
+        self, ahead: list[Sequence] | None = None
+    ) -> tuple[list[Sequence], list[tuple[int, list[int], int, int | None]]]:
+        """The sequences of the next step and the worker batch (slot, new tokens, start position).
+
+        `ahead` (async scheduling): the sequences of a launched step whose tokens are not read back yet.
+        Each gets a decode row whose token is `FROM_DEVICE` (the step's greedy id, still on the device)
+        at the position after that step's; one that step certainly finishes (by length) is left out,
+        and one it finishes otherwise (a stop token or string) computes a token `process` discards."""
         budget = self.max_prefill_tokens
         while self.waiting and self.free_slots and len(self.waiting[0].prompt_ids) <= budget:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             budget -= len(seq.prompt_ids)
             self.running.append(seq)
+        in_flight = {s.seq_id for s in ahead or ()}
+        seqs: list[Sequence] = []
         batch: list[tuple[int, list[int], int, int | None]] = []
         for seq in self.running:
-            if seq.output_ids:
+            if seq.seq_id in in_flight:
+                if self._ends_by_length(seq, len(seq.output_ids) + 1):
+                    continue
+                batch.append((seq.slot, [FROM_DEVICE], seq.num_tokens, None))
+            elif seq.output_ids:
                 batch.append((seq.slot, seq.output_ids[-1:], seq.num_tokens - 1, None))
             else:
                 batch.append((seq.slot, seq.prompt_ids, 0, seq.params.prompt_logprobs))
-        return list(self.running), batch
+            seqs.append(seq)
+        return seqs, batch
+
+    def _ends_by_length(self, seq: Sequence, outputs: int) -> bool:
+        """Whether a sequence with `outputs` output tokens is done by max_tokens or max_model_len."""
+        return outputs >= seq.params.max_tokens or len(seq.prompt_ids) + outputs >= self.max_model_len
 
     def _processed(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """The logits each row samples from: penalties, logit_bias, min_tokens / allowed_token_ids and
@@ -229,9 +248,7 @@ class Scheduler:
                         reason = "stop"
                     elif grammar_lib.finished(seq.matcher):  # complete: only a stop token could follow
                         reason = "stop"
-                if reason is None and (
-                    len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-                ):
+                if reason is None and self._ends_by_length(seq, len(seq.output_ids)):
                     reason = "length"
             self._emit(seq, reason)
 

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+FROM_DEVICE = -1
+"""A decode row's token id meaning: its slot's greedy id of the latest launched step, which stays on the
+device (async scheduling launches a step before the previous one is read back: runner.py)."""
+
 Step = list[
     tuple[int, list[int], int, int | None]
 ]  # (slot, new token ids, start position, prompt logprobs n)

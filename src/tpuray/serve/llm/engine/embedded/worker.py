@@ -8,7 +8,7 @@ import logging
 import os
 
 from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV
-from tpuray.serve.llm.engine.embedded.runner import ModelRunner, StepResult
+from tpuray.serve.llm.engine.embedded.runner import Launched, ModelRunner, StepResult
 from tpuray.serve.llm.engine.embedded.step_plan import Step
 from tpuray.slices.worker import SliceWorker
 
@@ -21,6 +21,7 @@ class EngineWorker(SliceWorker):
 
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
+        self.launched: dict[int, Launched] = {}  # steps launched and not yet collected, by step id
 
     def load(self, path: str, engine_kwargs: dict) -> dict:
         """Load this rank's shard of the model; returns where it runs."""
@@ -66,9 +67,24 @@ class EngineWorker(SliceWorker):
             "emulated": is_emulated(),
             "pid": os.getpid(),
             "compiled_programs": self.runner.compilations,
+            "compiled": self.runner.compiled,
         }
 
-    def step(self, batch: Step, need_logits: bool = True) -> StepResult | None:
+    def _loaded(self) -> ModelRunner:
         if self.runner is None:
-            raise RuntimeError("EngineWorker.step before load()")
-        return self.runner.step(batch, need_logits)
+            raise RuntimeError("EngineWorker step before load()")
+        return self.runner
+
+    def step(self, batch: Step, need_logits: bool = True) -> StepResult | None:
+        return self._loaded().step(batch, need_logits)
+
+    def launch(self, step_id: int, batch: Step, need_logits: bool = True) -> None:
+        """Start step `step_id` (ids increase); `collect(step_id)` reads it back."""
+        self.launched[step_id] = self._loaded().launch(batch, need_logits)
+
+    def collect(self, step_id: int) -> StepResult | None:
+        """Read step `step_id` back; earlier steps not collected (an engine loop cancelled between
+        the two calls) are dropped."""
+        for old in [i for i in self.launched if i < step_id]:
+            del self.launched[old]
+        return self._loaded().collect(self.launched.pop(step_id))
