@@ -8,7 +8,9 @@ Anchor: the same state dict `ray.put` once and pulled by one task per engine wor
 
 Iteration split: the GRPO example with its trainer on the driver (`--slice`), then on tpuray.train
 (`--trainer tpuray`: FSDP2 on 2 workers of one slice, the rollout engine TP=2 on the other, RLRun) run
-sequentially and with `--overlap`. Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
+sequentially and with `--overlap`, then colocated (`--colocate`: one slice, the engine inside the
+trainer's two workers, sleeping while they train), compared with the sequential disaggregated run.
+Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
 
 Transports (`RLConfig(weight_sync=...)`): an RLRun per transport (FSDP2 trainer of 2 workers on one
 slice, TP=2 engine on the other) sends the same weights every iteration; seconds per `rl.send` on trainer
@@ -333,6 +335,7 @@ def main() -> int:
         history = bench_iterations(args.iterations, "--slice")
         sequential = bench_iterations(args.iterations, "--trainer", "tpuray")
         overlapped = bench_iterations(args.iterations, "--trainer", "tpuray", "--overlap")
+        colocated = bench_iterations(args.iterations, "--trainer", "tpuray", "--colocate")
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -342,6 +345,10 @@ def main() -> int:
         "RLRun, sequential (examples/rl_grpo.py --trainer tpuray: FSDP2 on 2 workers)", sequential
     )
     ovl = print_split("RLRun, overlap (--trainer tpuray --overlap, off-policy by one step)", overlapped)
+    col = print_split(
+        "RLRun, colocated (--trainer tpuray --colocate: one slice, the engine in the trainer's workers)",
+        colocated,
+    )
     sync_share = statistics.median(it.sync_s / it.total_s for it in sequential[1:] or sequential)
     print(
         f"\nsync share of a sequential RLRun iteration: {sync_share:.1%} (goal < 10%: {'met' if sync_share < 0.1 else 'not met'})"
@@ -349,6 +356,7 @@ def main() -> int:
     print(
         f"overlap / sequential iteration: {ovl / seq:.2f}x (goal <= 0.7x: {'met' if ovl / seq <= 0.7 else 'not met'})"
     )
+    print(f"colocated (one slice) / disaggregated (two slices) sequential iteration: {col / seq:.2f}x")
     return 0
 
 

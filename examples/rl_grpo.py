@@ -5,6 +5,7 @@
     python examples/rl_grpo.py --colocate            # the engine sleeps (frees its memory) while training
     python examples/rl_grpo.py --trainer tpuray      # trainer: tpuray.train FSDP2 on a 2nd slice (RLRun)
     python examples/rl_grpo.py --trainer tpuray --overlap   # generate batch k+1 while training on k
+    python examples/rl_grpo.py --trainer tpuray --colocate  # one slice: the engine in the trainer's workers
     python examples/rl_grpo.py --png reward.png      # and plot the mean reward per iteration
 
 The loop (rollouts with logprobs -> reward -> group z-score advantages -> clipped policy steps -> weight

@@ -20,3 +20,28 @@ def state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def greedy(engine: Any) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+# a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice
+SCALING = {
+    "num_workers": 2,
+    "use_tpu": True,
+    "topology": "2x2",
+    "accelerator_type": "TPU-V6E",
+    "resources_per_worker": {"TPU": 2},
+}
+
+
+def slice_rollout_config(path: str, **kw: Any) -> Any:
+    """A rollout engine TP=2 on an emulated v6e 2x2 slice."""
+    from tpuray.rl import RolloutConfig
+
+    return RolloutConfig(
+        path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64, **kw
+    )
+
+
+def alive_actors(class_name: str) -> list:
+    import ray._private.state as state
+
+    return [a for a in state.actors().values() if a["State"] != "DEAD" and class_name in a["ActorClassName"]]

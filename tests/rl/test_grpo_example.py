@@ -29,6 +29,8 @@ def test_reward_and_advantages():
         grpo.parse_args(["--group", "0"])
     with pytest.raises(SystemExit):
         grpo.parse_args(["--overlap"])  # needs --trainer tpuray
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--trainer", "tpuray", "--overlap", "--colocate"])  # colocated phases take turns
 
 
 def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):

@@ -18,6 +18,7 @@ from tpuray.validation import ConfigError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
+from _rl_util import SCALING, alive_actors, slice_rollout_config  # noqa: E402
 from _rl_util import greedy as _greedy  # noqa: E402
 from _rl_util import state_dict as _state_dict  # noqa: E402
 
@@ -60,28 +61,25 @@ def test_pieces_assemble_into_each_ranks_shards(tiny_models):
         check_metas([[metas[0]], [bad]], config)
 
 
-SCALING = {
-    "num_workers": 2,
-    "use_tpu": True,
-    "topology": "2x2",
-    "accelerator_type": "TPU-V6E",
-    "resources_per_worker": {"TPU": 2},
-}
-
-
-def _rollout_config(path: str) -> RolloutConfig:
-    return RolloutConfig(
-        path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
-    )
-
-
 def test_rl_config_refuses_bad_values(tiny_models):
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
 
-    ok = {"rollout": _rollout_config(tiny_models[0]), "trainer": ScalingConfig(**SCALING)}
+    ok = {"rollout": slice_rollout_config(tiny_models[0]), "trainer": ScalingConfig(**SCALING)}
     for bad, named in (
         ({"placement": "split"}, "placement='split' is invalid; valid: disaggregated, colocated"),
-        ({"placement": "colocated"}, "placement='colocated' is not implemented yet"),
+        ({"placement": "colocated"}, r"colocated' runs the rollout engine on the trainer's slice"),
+        (
+            {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0]), "overlap": True},
+            "overlap=True is invalid with placement='colocated'",
+        ),
+        (
+            {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0]), "trainer": ScalingConfig()},
+            r"colocated' needs one TPU slice for the trainer: ScalingConfig\(use_tpu=False",
+        ),
+        (  # the default transport: colocated has no second side for its process group to span
+            {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0])},
+            "weight_sync='tpu_dist' is invalid with placement='colocated'.*valid: weight_sync='object_store'",
+        ),
         ({"overlap": "yes"}, "overlap='yes' is invalid"),
         ({"weight_sync": "nccl"}, "weight_sync='nccl' is invalid; valid: object_store, tpu_dist"),
         ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
@@ -95,14 +93,6 @@ def test_rl_config_refuses_bad_values(tiny_models):
             _rl_loops.rl_loop,
             run_config=RunConfig(failure_config=FailureConfig(max_failures=1)),
         )
-
-
-def _alive_train_workers() -> list:
-    import ray._private.state as state
-
-    return [
-        a for a in state.actors().values() if a["State"] != "DEAD" and "TrainWorker" in a["ActorClassName"]
-    ]
 
 
 def test_rl_run_syncs_from_a_tpuray_train_run(
@@ -122,7 +112,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     def run(name: str, overlap: bool, iterations: int, rollout_fn, sync="object_store", **loop_config):
         rl = RLRun(
             RLConfig(
-                _rollout_config(tiny_models[0]),
+                slice_rollout_config(tiny_models[0]),
                 ScalingConfig(**SCALING),
                 overlap=overlap,
                 weight_sync=sync,
@@ -137,7 +127,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     with pytest.raises(
         RLRunError, match=r"needs 3 x v6e-4 slice\(s\) at once .* has 2; nothing was reserved"
     ):
-        RLRun(RLConfig(_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
+        RLRun(RLConfig(slice_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
 
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
     result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), "tpu_dist", strategy="fsdp2")
@@ -157,7 +147,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
             strategy="fsdp2",
             drop=drop,
         )
-    assert not _alive_train_workers()
+    assert not alive_actors("TrainWorker")
 
     seen: list = []
 
@@ -168,7 +158,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     with pytest.raises(RLRunError, match=r"(?s)the trainer failed .*trainer failure injected at iteration 2"):
         run("ddp", False, 3, recording, strategy="ddp", fail_at=2)
     assert seen == [reference[w] for w in "abb"]
-    assert not _alive_train_workers()
+    assert not alive_actors("TrainWorker")
     pg_leak_check()
 
     def killing(engine: RolloutEngine, k: int) -> list:
@@ -180,5 +170,5 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
         RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
         run("rollout-fails", False, 3, killing, "tpu_dist", strategy="ddp")
-    assert not _alive_train_workers()
+    assert not alive_actors("TrainWorker")
     pg_leak_check()

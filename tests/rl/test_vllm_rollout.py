@@ -52,6 +52,8 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     with pytest.raises(ConfigError, match="TPU=2 is not supported with vLLM"):
         RolloutConfig(vllm_models[0], engine="vllm", **slice_kw)  # type: ignore[arg-type]
     # an RLRun's weight sync (each TP rank its part) loads into the embedded engine's workers only
+    from _rl_util import SCALING
+
     from tpuray.rl import RLConfig
     from tpuray.train import ScalingConfig
 
@@ -59,6 +61,8 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     trainer = ScalingConfig(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
     with pytest.raises(ConfigError, match=r"resolved to 'vllm' .*valid: RolloutConfig\(engine='embedded'\)"):
         RLConfig(on_vllm, trainer)
+    with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
+        RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")  # no sleep
 
 
 CHILD = """

@@ -9,8 +9,9 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
 - `sync`: weight sync from a `tpuray.train` run: `WeightSync` (driver) / `SyncTarget.send` (every trainer
   rank sends only its shard, FSDP2; rank 0 the full state, DDP) -> a `TrainerUpdate` for `update_weights`.
   Transports (`RLConfig.weight_sync`): "tpu_dist" (`collective`: a process group spanning both sides'
-  workers, the data point to point) or "object_store" (ObjectRefs through the driver).
-- `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated),
+  workers, the data point to point) or "object_store" (ObjectRefs through the driver; colocated's one).
+- `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated, or
+  colocated: the engine inside the trainer's workers, `colocate`),
   joined by a batch -> train -> sync loop, optionally overlapped (off-policy by one step).
 """
 

@@ -81,7 +81,7 @@ class RolloutEngine:
 
     engine_name = "embedded"
 
-    def __new__(cls, config: RolloutConfig) -> RolloutEngine:
+    def __new__(cls, config: RolloutConfig, *args: Any, **kwargs: Any) -> RolloutEngine:
         wanted = getattr(config, "resolved_engine", cls.engine_name)
         if cls is RolloutEngine and wanted != cls.engine_name:
             for sub in cls.__subclasses__():

@@ -206,14 +206,29 @@ def two_slices(path: str, max_num_seqs: int) -> tuple[Any, Any]:
     return rollout, trainer
 
 
+def rl_config(args: argparse.Namespace, path: str) -> Any:
+    """The `RLConfig` of `--trainer tpuray`: `two_slices` (disaggregated, weight_sync "tpu_dist"), or with
+    `--colocate` the trainer's slice of it alone, the engine (TP=2) in its two workers ("object_store",
+    colocated's one transport)."""
+    import dataclasses
+
+    from tpuray.rl import RLConfig
+
+    rollout, trainer = two_slices(path, max_num_seqs=64)
+    if not args.colocate:
+        return RLConfig(rollout, trainer, overlap=args.overlap)
+    on_trainer = dataclasses.replace(rollout, accelerator_type=None, topology=None, chips_per_worker=1)
+    return RLConfig(on_trainer, trainer, placement="colocated", weight_sync="object_store")
+
+
 def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     """GRPO with the trainer on tpuray.train (2 workers x 2 chips, FSDP2) on one slice and the rollout
-    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step."""
-    from tpuray.rl import RLConfig, RLRun, RolloutEngine
+    engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step;
+    `--colocate`: one slice, the engine inside the trainer's two workers, sleeping while they train."""
+    from tpuray.rl import RLRun, RolloutEngine
     from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
     from tpuray.train import RunConfig
 
-    rollout, trainer = two_slices(path, max_num_seqs=64)
     prompts = [p for p in PROMPTS for _ in range(args.group)]
     split: list[tuple[float, float, float]] = []
 
@@ -229,7 +244,7 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     config = {"path": path, "lr": args.lr, "epochs": args.epochs, "seed": args.seed}
     with tempfile.TemporaryDirectory(prefix="rl-grpo-run-") as storage:
         run = RLRun(
-            RLConfig(rollout, trainer, overlap=args.overlap),
+            rl_config(args, path),
             grpo_train_loop,
             train_loop_config=config,
             run_config=RunConfig(storage_path=storage, name="grpo", verbose=0),
@@ -278,7 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--colocate",
         action="store_true",
-        help="sleep the rollout engine while the trainer steps (chip hand-over)",
+        help="sleep the rollout engine while the trainer steps (chip hand-over); with --trainer tpuray: "
+        "RLConfig(placement='colocated'), one slice, the engine inside the trainer's workers",
     )
     parser.add_argument(
         "--trainer",
@@ -296,8 +312,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("iterations", "group", "words", "max_tokens", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
-    if args.trainer == "tpuray" and (args.slice or args.colocate):
-        parser.error("--trainer tpuray places both sides itself (two slices); drop --slice / --colocate")
+    if args.trainer == "tpuray" and args.slice:
+        parser.error(
+            "--trainer tpuray places both sides itself (two slices, or one with --colocate); drop --slice"
+        )
+    if args.overlap and args.colocate:
+        parser.error("--overlap and --colocate exclude each other (colocated phases take turns on the chips)")
     if args.overlap and args.trainer != "tpuray":
         parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
     return args

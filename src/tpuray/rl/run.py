@@ -51,9 +51,12 @@ class RLConfig:
     trainer: Any
     """The trainer's workers: a `tpuray.train.ScalingConfig` (TPU slices for `use_tpu=True`)."""
     placement: Placement = "disaggregated"
-    """"disaggregated": trainer and rollout engine each on slices of their own, reserved for the whole run.
-    "colocated" (one slice, the phases alternating and handing the chips over) is refused for now:
-    docs/rl.md says why."""
+    """"disaggregated": trainer and rollout engine each on slices of their own (`trainer`'s and
+    `rollout`'s), reserved for the whole run; the phases can overlap.
+    "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded, tensor parallel
+    over the trainer's ranks) runs inside the trainer's worker processes and the phases take turns on
+    the same chips: generate, engine `sleep()` (its memory freed), train, weight sync into the sleeping
+    engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.colocate`, docs/rl.md)."""
     overlap: bool = False
     """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
     batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
@@ -67,7 +70,9 @@ class RLConfig:
     driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
     "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
     the driver, each rollout rank pulls its objects and checks them (no process group between the two
-    sides: use it where the slices cannot reach each other's TCP ports)."""
+    sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
+    placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
+    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     trainer_world_size: int = field(init=False, default=0)
@@ -83,12 +88,6 @@ class RLConfig:
             raise ConfigError(
                 f"RLConfig.placement={self.placement!r} is invalid; valid: {', '.join(PLACEMENTS)}"
             )
-        if self.placement == "colocated":
-            raise ConfigError(
-                "RLConfig.placement='colocated' is not implemented yet (on a TPU a chip belongs to one "
-                "process: the engine must run inside the trainer's workers; docs/rl.md); valid now: "
-                "'disaggregated'"
-            )
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
         if self.weight_sync not in TRANSPORTS:
@@ -97,6 +96,13 @@ class RLConfig:
             )
         if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
             raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
+        self.trainer_world_size = self.trainer.num_workers
+        if self.placement == "colocated":
+            self._check_colocated()
+        else:
+            self._check_disaggregated()
+
+    def _check_disaggregated(self) -> None:
         if self.rollout.resolved_engine != "embedded":
             raise ConfigError(
                 f"RLConfig.rollout: an RLRun's weight sync loads into the embedded engine's tensor-parallel "
@@ -111,7 +117,48 @@ class RLConfig:
                 f"topology={self.rollout.topology!r}) and ScalingConfig(use_tpu={self.trainer.use_tpu!r}) "
                 "must both name a TPU slice"
             )
-        self.trainer_world_size = self.trainer.num_workers
+
+    def _check_colocated(self) -> None:
+        rollout, trainer = self.rollout, self.trainer
+        if self.overlap:
+            raise ConfigError(
+                "RLConfig.overlap=True is invalid with placement='colocated' (the engine and the trainer "
+                "take turns on the same chips: nothing can overlap); valid: overlap=False, or "
+                "placement='disaggregated'"
+            )
+        if rollout.resolved_engine != "embedded":
+            raise ConfigError(
+                f"RLConfig.placement='colocated' with RolloutConfig.engine={rollout.engine!r} (runs vLLM): "
+                "the engine must sleep while the trainer trains, and vLLM's sleep mode is unavailable on "
+                "vLLM's CPU platform (its CPU build and emulated TPU slices), besides running in worker "
+                "processes of its own; valid: engine='embedded'"
+            )
+        if rollout.on_slice:
+            raise ConfigError(
+                f"RLConfig.placement='colocated' runs the rollout engine on the trainer's slice: "
+                f"RolloutConfig(accelerator_type={rollout.accelerator_type!r}, topology={rollout.topology!r}) "
+                "must be None (the engine's tensor parallelism is the trainer's ranks)"
+            )
+        if not trainer.use_tpu or (trainer.num_slices or 1) != 1:
+            raise ConfigError(
+                f"RLConfig.placement='colocated' needs one TPU slice for the trainer: "
+                f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
+                "valid: use_tpu=True on one slice"
+            )
+        if self.weight_sync != "object_store":
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid with placement='colocated': its "
+                "process group spans the trainer's and the engine's workers, and colocated they are the same "
+                "processes (each rank's pieces go to its own engine rank through its host's object store); "
+                "valid: weight_sync='object_store'"
+            )
+
+    @property
+    def rollout_tensor_parallel_size(self) -> int:
+        """The rollout engine's ranks: its own slice's (disaggregated) or the trainer's (colocated)."""
+        if self.placement == "colocated":
+            return self.trainer_world_size
+        return self.rollout.tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -119,7 +166,7 @@ class IterationStats:
     """One iteration on the driver: seconds in `rollout` (rollout_fn of the next batch: generate + reward;
     with overlap, while the trainer trains), `wait` (for the trainer's weights, beyond the rollout),
     `sync` (update_weights: transfer + load) and `total`; `sync_bytes` the rollout ranks received, each from up
-    to `senders` trainer ranks."""
+    to `senders` trainer ranks; `freed` (colocated) what the engine released on the chips for training."""
 
     rollout: float
     wait: float
@@ -127,6 +174,7 @@ class IterationStats:
     total: float
     sync_bytes: int
     senders: int
+    freed: int = 0  # colocated: bytes the engine's sleep() freed on the chips before the trainer trained
 
 
 @dataclass
@@ -143,7 +191,8 @@ class RLRun:
     """Runs `train_loop` under tpuray.train and the rollout engine as `config` places them (module doc).
     Reservation is all or nothing: the cluster's slices are counted first (too few: RLRunError, nothing
     reserved), then the rollout engine's slice is reserved, then the trainer's (fit()); any failure on the
-    way, or of either side later, releases both and raises RLRunError."""
+    way, or of either side later, releases both and raises RLRunError. Colocated: only the trainer's
+    slice is reserved, and the engine starts in its workers once they wait for batch 0."""
 
     def __init__(
         self,
@@ -171,29 +220,32 @@ class RLRun:
         self.run_config = run_config
         self._fit_out: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
+        self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
 
     def run(self, iterations: int, rollout_fn: RolloutFn) -> RLResult:
         """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
         self._check_capacity()
-        engine = RolloutEngine(self.config.rollout)  # reserves the rollout slice (or raises, nothing held)
+        if self.config.placement == "disaggregated":  # reserves the rollout slice (or raises, nothing held)
+            self._engine = RolloutEngine(self.config.rollout)
         try:
             sync = WeightSync(
-                engine.tensor_parallel_size,
+                self.config.rollout_tensor_parallel_size,
                 self.config.trainer_world_size,
                 self.config.sync_timeout_s,
                 self.config.weight_sync,
             )
         except BaseException:
-            engine.shutdown()
+            self._shutdown_engine()
             raise
         try:
             self._start_trainer(sync, iterations)
-            batches, times = self._loop(engine, sync, iterations, rollout_fn)
+            batches, times = self._loop(sync, iterations, rollout_fn)
             return RLResult(self._finish(), batches, times)
         except BaseException as e:
-            engine.shutdown()  # first: a trainer rank mid-send over tpu_dist then fails instead of waiting
+            if self.config.placement == "disaggregated":
+                self._shutdown_engine()  # first: a trainer rank mid-send over tpu_dist then fails, not waits
             self._stop(sync)
             if isinstance(e, RLRunError):
                 raise
@@ -205,6 +257,11 @@ class RLRun:
             raise RLRunError(f"the RL run ended: {side} failed ({type(e).__name__}: {e})") from e
         finally:
             sync.shutdown()
+            self._shutdown_engine()
+
+    def _shutdown_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
             engine.shutdown()
 
     def _check_capacity(self) -> None:
@@ -220,9 +277,11 @@ class RLRun:
                 "RLRun.run needs this process connected to a Ray cluster with the slices (ray.init)"
             )
         rollout, trainer = self.config.rollout, self.config.trainer
-        assert rollout.accelerator_type is not None and rollout.topology is not None  # RLConfig checked
         assert trainer.slice_topology is not None and trainer.num_slices is not None
-        need = {SliceTopology.parse(rollout.accelerator_type, rollout.topology).pod_type: 1}
+        need: dict[str, int] = {}
+        if self.config.placement == "disaggregated":
+            assert rollout.accelerator_type is not None and rollout.topology is not None  # RLConfig checked
+            need[SliceTopology.parse(rollout.accelerator_type, rollout.topology).pod_type] = 1
         pod = trainer.slice_topology.pod_type
         need[pod] = need.get(pod, 0) + trainer.num_slices
         slices = list_slices()
@@ -238,7 +297,8 @@ class RLRun:
     def _start_trainer(self, sync: WeightSync, iterations: int) -> None:
         from tpuray.train.torch import TorchTrainer
 
-        target = dataclasses.replace(sync.target, iterations=iterations)
+        colocated = self.config.placement == "colocated"
+        target = dataclasses.replace(sync.target, iterations=iterations, colocated=colocated)
         trainer = TorchTrainer(
             self.train_loop,
             train_loop_config={**self.train_loop_config, "rl": target},
@@ -288,13 +348,13 @@ class RLRun:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _loop(
-        self, engine: RolloutEngine, sync: WeightSync, iterations: int, rollout_fn: RolloutFn
+        self, sync: WeightSync, iterations: int, rollout_fn: RolloutFn
     ) -> tuple[list[Any], list[IterationStats]]:
         import ray
 
         overlap = self.config.overlap
         batches, times = [], []
-        batch = rollout_fn(engine, 0)
+        batch, freed = self._rollout(sync, 0, rollout_fn)
         for k in range(iterations):
             t0 = time.perf_counter()
             ref = ray.put(batch)
@@ -302,25 +362,44 @@ class RLRun:
                 sync.put(f"batch/{k}/{rank}", [ref])
             batches.append(batch)
             more = k + 1 < iterations
-            rollout_s = 0.0
+            rollout_s, upcoming = 0.0, None
             if overlap and more:  # generate k+1 with the current weights while the trainer trains on k
-                batch = rollout_fn(engine, k + 1)
+                upcoming = self._rollout(sync, k + 1, rollout_fn)
                 rollout_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             update = sync.receive(k + 1, self._alive)
             t2 = time.perf_counter()
-            self._update(engine, sync, update, k + 1)
+            assert self._engine is not None  # made by the first _rollout
+            self._update(self._engine, sync, update, k + 1)
             t3 = time.perf_counter()
             if not overlap and more:
-                batch = rollout_fn(engine, k + 1)
+                upcoming = self._rollout(sync, k + 1, rollout_fn)
                 rollout_s = time.perf_counter() - t3
             senders = max(len(refs) for refs in update.refs)
+            total = time.perf_counter() - t0
             times.append(
-                IterationStats(
-                    rollout_s, t2 - t1, t3 - t2, time.perf_counter() - t0, sum(update.nbytes), senders
-                )
+                IterationStats(rollout_s, t2 - t1, t3 - t2, total, sum(update.nbytes), senders, freed)
             )
+            if upcoming is not None:
+                batch, freed = upcoming
         return batches, times
+
+    def _rollout(self, sync: WeightSync, k: int, rollout_fn: RolloutFn) -> tuple[Any, int]:
+        """(batch k, bytes the engine then freed). Colocated: once every trainer rank waits for it, the
+        engine (started in the trainer's workers at k=0, woken up after) generates, then sleeps so that
+        the trainer has the chips."""
+        if self.config.placement == "disaggregated":
+            assert self._engine is not None
+            return rollout_fn(self._engine, k), 0
+        hosts = sync.ready(k, self._alive)
+        if self._engine is None:
+            from tpuray.rl.colocate import ColocatedRolloutEngine
+
+            self._engine = ColocatedRolloutEngine(self.config.rollout, hosts)
+        else:
+            self._engine.wake_up()
+        batch = rollout_fn(self._engine, k)
+        return batch, self._engine.sleep()
 
     @staticmethod
     def _update(engine: RolloutEngine, sync: WeightSync, update: Any, version: int) -> None:

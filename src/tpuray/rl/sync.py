@@ -146,12 +146,18 @@ class SyncTarget:
     timeout_s: float
     iterations: int = 0  # of an RLRun: how many batches the driver sends
     channel: Channel | None = None  # weight_sync "tpu_dist": the group's rendezvous; None: object store
+    colocated: bool = False  # of an RLRun: the rollout engine runs in the trainer's workers
 
     def batch(self, k: int) -> Any:
-        """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it."""
+        """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it. Colocated, the
+        rank first says it waits here (with its actor handle at k=0): the driver generates only while
+        every rank waits, so the engine's collectives never meet the trainer's."""
         import ray
 
         rank = _rank()
+        if self.colocated:
+            me = ray.get_runtime_context().current_actor if k == 0 else None
+            ray.get(self.mailbox.put.remote(f"ready/{k}/{rank}", me))
         return ray.get(self.get(f"batch/{k}/{rank}")[0])
 
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
@@ -301,18 +307,10 @@ class WeightSync:
     def receive(self, version: int, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
         """Wait for update `version` from every trainer rank; `alive()` is called while waiting and
         raises when the trainer run ended (so a dead trainer does not hang the driver)."""
-        import ray
-
         tp = self.target.tensor_parallel_size
-        pending = [self.mailbox.take.remote(f"weights/{version}/{r}", 1e9) for r in range(self.world_size)]
-        while True:
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            if len(ready) == len(pending):
-                break
-            alive()
         refs: list[list[Any]] = [[] for _ in range(tp)]
         nbytes = [0] * tp
-        for sent, sizes in ray.get(pending):
+        for sent, sizes in self._take_all(f"weights/{version}", alive):
             for r in range(tp):
                 if sent[r] is not None:
                     refs[r].append(sent[r])
@@ -335,6 +333,22 @@ class WeightSync:
         ray.get([self.mailbox.put.remote(f"go/{version}/{r}", error) for r in range(self.world_size)])
         if error is not None:
             raise WeightMismatchError(error)
+
+    def ready(self, k: int, alive: Callable[[], None] = lambda: None) -> list[Any]:
+        """Colocated: wait until every trainer rank waits for batch `k`; what each sent (its actor
+        handle at k=0), in rank order."""
+        return self._take_all(f"ready/{k}", alive)
+
+    def _take_all(self, prefix: str, alive: Callable[[], None]) -> list[Any]:
+        """`prefix/r` of every trainer rank r, polling `alive()` while waiting."""
+        import ray
+
+        pending = [self.mailbox.take.remote(f"{prefix}/{r}", 1e9) for r in range(self.world_size)]
+        while True:
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            if len(ready) == len(pending):
+                return list(ray.get(pending))
+            alive()
 
     def ack(self, version: int, error: str | None = None) -> None:
         """Tell every trainer rank that update `version` was committed (or refused, with `error`)."""

@@ -1,0 +1,93 @@
+"""RLRun placement on a real emulated cluster: colocated (one v6e 2x2 slice, the rollout engine inside the
+trainer's two workers, sleeping while they train), a trainer worker killed mid-run, and the atomic
+reservation of a disaggregated run whose second slice cannot be had."""
+
+from __future__ import annotations
+
+import _rl_loops  # noqa: E402
+import pytest
+import ray.cloudpickle
+
+from tpuray.rl import RolloutConfig
+from tpuray.rl.run import RLConfig, RLRun, RLRunError
+
+ray.cloudpickle.register_pickle_by_value(_rl_loops)
+
+from _rl_util import SCALING, slice_rollout_config  # noqa: E402
+from _rl_util import alive_actors as _alive  # noqa: E402
+from _rl_util import greedy as _greedy  # noqa: E402
+from _rl_util import state_dict as _state_dict  # noqa: E402
+
+
+def _no_group_left(pg_leak_check) -> None:
+    assert not _alive("TrainWorker") and not _alive("RolloutWorker")
+    pg_leak_check()  # ray.util.placement_group_table(): no live group beyond those before the test
+
+
+def test_colocated_run_and_failures(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, monkeypatch
+):
+    """Colocated: one slice, reserved by the trainer; the engine's TP ranks are the trainer's workers
+    (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache) while the trainer trains,
+    takes update k+1 while asleep and wakes up with it. A killed trainer worker (the engine's rank too)
+    ends the run with RLRunError; a disaggregated run whose trainer slice is held elsewhere releases the
+    rollout slice it had. Nothing is left."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from tpuray.rl.colocate import HostedGroup
+    from tpuray.train import RunConfig, ScalingConfig
+
+    def run(name: str, placement: str, rollout_fn, rollout: RolloutConfig, iterations: int = 2):
+        rl = RLRun(
+            RLConfig(
+                rollout,
+                ScalingConfig(**SCALING),
+                placement=placement,  # type: ignore[arg-type]
+                weight_sync="object_store" if placement == "colocated" else "tpu_dist",  # colocated's one
+            ),
+            _rl_loops.rl_loop,
+            train_loop_config={"path": tiny_models[1], "strategy": "fsdp2"},
+            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
+        )
+        return rl.run(iterations, rollout_fn)
+
+    colocated = RolloutConfig(tiny_models[0], max_model_len=64)
+    hosts: list = []
+
+    def recording(engine, k: int) -> list:
+        assert isinstance(engine.group, HostedGroup) and not engine.asleep
+        hosts.append(engine.group.actors)
+        return _greedy(engine)
+
+    result = run("colocated", "colocated", recording, colocated)
+    assert result.batches == [reference[w] for w in "ab"]  # on-policy: update 1 (asleep) before batch 1
+    assert result.train_result.return_value == result.batches
+    full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
+    assert all(t.freed > full for t in result.times)  # both ranks' weight shards + KV caches
+    assert [t.senders for t in result.times] == [2, 2]
+    assert len({tuple(h) for h in hosts}) == 1  # the same two trainer workers all along
+    _no_group_left(pg_leak_check)
+
+    def killing(engine, k: int) -> list:
+        if k == 1:
+            ray.kill(engine.group.actors[1], no_restart=True)  # a trainer worker, also engine rank 1
+        return _greedy(engine)
+
+    with pytest.raises(RLRunError, match=r"RolloutEngineError|the trainer failed"):
+        run("colocated-kill", "colocated", killing, colocated)
+    _no_group_left(pg_leak_check)
+
+    # disaggregated, atomic: one slice is held elsewhere, so the trainer's cannot be had in time
+    disaggregated = slice_rollout_config(tiny_models[0], reservation_timeout_s=30)
+    monkeypatch.setenv("TPURAY_TRAIN_RESERVE_TIMEOUT_S", "3")
+    other = placement_group([{"TPU": 4, "TPU-v6e-4-head": 1}], name="someone-else")  # a whole slice
+    ray.get(other.ready())
+    try:
+        with pytest.raises(
+            RLRunError, match=r"the trainer failed \(NoSliceError: .*no free slice within 3.0s"
+        ):
+            run("no-second-slice", "disaggregated", lambda engine, k: _greedy(engine), disaggregated, 1)
+        assert not _alive("RolloutWorker")  # the rollout slice it held was released
+    finally:
+        remove_placement_group(other)
+    _no_group_left(pg_leak_check)
