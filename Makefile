@@ -27,20 +27,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/tpuray demo
 
-# Two pytest-xdist workers, each with its own emulated cluster; the memory-heavy modules share one worker
-# (tests/conftest.py: HEAVY_MODULES, pytest_xdist_make_scheduler). mypy runs beside them: the suite mostly waits on Ray and processes.
-PYTEST := $(BIN)/pytest -q -n 2
-
-test: setup
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
-	@$(BIN)/mypy src > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(PYTEST); tests=$$?; \
-	wait $$types; typed=$$?; echo "mypy src:"; cat $(VENV)/mypy.log; \
-	test $$tests -eq 0 && test $$typed -eq 0
+test: lint
+	$(BIN)/pytest -q
 
 test-fast: setup   # skips the multi-host and long-running tests (marked slow)
-	$(PYTEST) -m "not slow"
+	$(BIN)/pytest -q -m "not slow"
 
 # On a TPU VM (no Ray, one process may hold the chip): the real-TPU suite in ONE process. Set-up:
 # ../shared/tpu-vm/README.md, then `. benchmarks/tpu_vm_env.sh`. Elsewhere every test skips with a reason.

@@ -12,8 +12,8 @@ import torch
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
 from tpuray.rl.collective import check_metas, pack, unpack
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
-from tpuray.rl.sync import assemble, trainer_pieces
-from tpuray.rl.weights import shard_state
+from tpuray.rl.sync import trainer_pieces
+from tpuray.rl.weights import assemble, shard_state
 from tpuray.validation import ConfigError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)

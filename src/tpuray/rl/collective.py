@@ -117,7 +117,7 @@ def check_metas(per_rank: list[list[list[Meta]]], config: Mapping[str, Any]) -> 
     """Check what every trainer rank offers every rollout rank (`per_rank[q]`: the metadata lists from
     each sender) against the engine's model: WeightMismatchError names the first missing, unknown or
     misshapen tensor; no tensor data is involved."""
-    from tpuray.rl.sync import assemble
+    from tpuray.rl.weights import assemble
 
     world = len(per_rank)
     for q, offers in enumerate(per_rank):

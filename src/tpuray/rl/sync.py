@@ -31,18 +31,15 @@ import torch
 
 from tpuray.rl.collective import Channel, Rendezvous, check_metas, member, pack
 from tpuray.rl.weights import (
+    Piece,
     WeightMismatchError,
     _own_storage,
-    expected_shapes,
-    fuse,
-    optional_names,
     part_range,
     split_dim,
 )
 
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
-Piece = tuple[int, torch.Tensor]  # (first row within the rollout rank's part, rows)
 POLL_S = 0.5
 
 
@@ -195,50 +192,6 @@ class SyncTarget:
 
 
 # -- the rollout rank's side ----------------------------------------------------------------------------
-def assemble(
-    received: list[dict[str, Piece]], config: Mapping[str, Any], rank: int, world_size: int
-) -> dict[str, torch.Tensor]:
-    """Rollout rank `rank`'s fused shards from the pieces every trainer rank sent it; WeightMismatchError
-    names the first missing, unknown, misshapen or incomplete tensor (nothing is written)."""
-    expected = expected_shapes(config)
-    allowed = {**expected, **optional_names(config)}
-    by_name: dict[str, list[Piece]] = {}
-    for pieces in received:
-        for name, piece in pieces.items():
-            if name not in allowed:
-                raise WeightMismatchError(f"weight sync: unknown tensor {name!r}")
-            by_name.setdefault(name, []).append(piece)
-    missing = [n for n in expected if n not in by_name]
-    if missing:
-        raise WeightMismatchError(
-            f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
-            f"({len(missing)} of {len(expected)})"
-        )
-    return fuse({n: _join(n, ps, allowed[n], rank, world_size) for n, ps in by_name.items()}, config)
-
-
-def _join(name: str, pieces: list[Piece], full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    shape = list(full)
-    dim = split_dim(name)
-    if dim is not None:
-        lo, hi = part_range(full[dim], rank, world)
-        shape[dim] = hi - lo
-    pieces = sorted(pieces, key=lambda p: p[0])
-    row = 0
-    for start, t in pieces:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise WeightMismatchError(f"weight sync: a piece of {name!r} is not a floating-point tensor")
-        if start != row or list(t.shape[1:]) != shape[1:]:
-            raise WeightMismatchError(
-                f"weight sync: {name!r} has a piece of shape {tuple(t.shape)} at row {start}; expected "
-                f"rows from {row} of a part of shape {tuple(shape)} (full shape {full})"
-            )
-        row += t.shape[0]
-    if row != shape[0]:
-        raise WeightMismatchError(f"weight sync: {name!r} has {row} of its part's {shape[0]} rows")
-    return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])
-
-
 def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> list[dict[str, Piece]]:
     """The pieces addressed to rollout rank `rank`: pulled from the object store, or received over the
     tpu_dist group (`channel`) from the trainer ranks that offered them."""

@@ -85,7 +85,8 @@ class RunnerWeights:
         """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
         `TrainerUpdate`'s refs for this rank; received over its tpu_dist `channel` when it has one);
         checked like `stage_shards`."""
-        from tpuray.rl.sync import assemble, resolve_pieces
+        from tpuray.rl.sync import resolve_pieces
+        from tpuray.rl.weights import assemble
 
         self.staged = None
         pieces = resolve_pieces(refs, channel, self.rank)
