@@ -47,6 +47,11 @@ def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_mo
     want = _greedy(cpu, prompt, 64)
     assert _greedy(chip, prompt, 64) == want
     assert _greedy(chip, prompt, 64, ahead=True, slot=1) == want  # async scheduling, in a fresh slot
+    # two prompts packed in one prefill (fresh slots): each attends to its own tokens only, which a
+    # program made causal by torch_tpu's detect_causal_mask pass would not do (runner.warmup_prefill)
+    two = [(2, prompt, 0, None), (3, list(range(20, 31)), 0, None)]
+    on_chip, on_cpu = chip.step(two, need_logits=False), cpu.step(two, need_logits=False)
+    assert on_chip is not None and on_cpu is not None and on_chip.token_ids == on_cpu.token_ids
     rng = random.Random(0)  # mixed prompt lengths and batch sizes: every shape is a warmed-up bucket
     for _ in range(20):
         step = [(s, [rng.randrange(3, 100) for _ in range(rng.randrange(1, 60))], 0, None) for s in range(4)]

@@ -11,9 +11,16 @@ import torch
 
 from tpuray.serve.llm import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
-from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.model import prefill_mask
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner, warmup_prefill
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-from tpuray.serve.llm.engine.embedded.step_plan import Buckets, decode_batches, pack_prefills, powers_of_two
+from tpuray.serve.llm.engine.embedded.step_plan import (
+    Buckets,
+    PrefillPack,
+    decode_batches,
+    pack_prefills,
+    powers_of_two,
+)
 
 
 def test_buckets_pick_and_pack():
@@ -32,6 +39,24 @@ def test_buckets_pick_and_pack():
     assert slots[1398:].eq(6).all() and segments[1398:].eq(-1).all()
     d = decode_batches([(3, [9], 300, None)], [0], b, trash_slot=6)[0]
     assert d.packed[0].shape == (1,) and d.context_len == 1024
+
+
+def test_warmup_prefill_masks_are_not_causal():
+    """Each token bucket is compiled on a pack whose attention mask is not lower-triangular: torch_tpu's
+    compiler would otherwise make that bucket's program causal for good (runner.warmup_prefill)."""
+    buckets = Buckets.for_engine(8, 1024, 1024)
+    for T in buckets.tokens:
+        pack = warmup_prefill(T, buckets, trash_slot=8)
+        assert pack.packed.shape[1] == T  # the bucket it compiles
+        tokens, positions, segments, slots, last = PrefillPack.unpack(pack.packed, pack.num_prompts)
+        mask = prefill_mask(positions, segments)[0, 0]
+        assert not torch.equal(mask, torch.tril(torch.ones(T, T, dtype=torch.bool)))
+    # a prompt that fills its bucket does make a causal mask: what warm-up must avoid
+    full = pack_prefills([(8, [0] * 16, 0, None)], [0], buckets, 8)[0]
+    _, positions, segments, _, _ = PrefillPack.unpack(full.packed, full.num_prompts)
+    assert torch.equal(
+        prefill_mask(positions, segments)[0, 0], torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    )
 
 
 def _random_steps(seed: int, n: int = 12):

@@ -37,6 +37,12 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def prefill_mask(positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T]: token i attends to token j of its own segment at an earlier or equal position."""
+    same = segments[:, None] == segments[None, :]
+    return (same & (positions[None, :] <= positions[:, None]))[None, None]
+
+
 class ShardedLlama:
     def __init__(
         self,
@@ -209,8 +215,7 @@ class ShardedLlama:
         to the earlier tokens of its own segment only. Returns the logits of the tokens at `last_index`
         [P] (each prompt's last token): [P, vocab]; with `all_positions`, of every token: [T, vocab]."""
         cos, sin = self._rope_tables(positions)  # [T, D]
-        same = segments[:, None] == segments[None, :]
-        mask = (same & (positions[None, :] <= positions[:, None]))[None, None]  # [1, 1, T, T]
+        mask = prefill_mask(positions, segments)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))

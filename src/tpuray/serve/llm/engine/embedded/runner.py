@@ -59,6 +59,17 @@ def _real_tpu(device: torch.device) -> bool:
     return device.type == "tpu" and not is_emulated()
 
 
+def warmup_prefill(T: int, buckets: Buckets, trash_slot: int) -> PrefillPack:
+    """The pack that compiles token bucket T at warm-up: one prompt of T - 1 tokens and one padding token.
+
+    Not a prompt that fills the bucket: its attention mask would be exactly lower-triangular, and
+    torch_tpu's compiler (its `detect_causal_mask` pass, which evaluates the mask on the example inputs)
+    would then replace the mask by `is_causal=True` in the program for good, so that the prompts of a
+    packed prefill would attend to each other's tokens on a TPU."""
+    n = T - 1 if T > 1 and Buckets.pick(T - 1, buckets.tokens) == T else T
+    return pack_prefills([(trash_slot, [0] * n, 0, None)], [0], buckets, trash_slot)[0]
+
+
 class ModelRunner:
     """One shard of the model, its KV cache and the step programs.
 
@@ -147,7 +158,7 @@ class ModelRunner:
         start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
         b = self.buckets
         for T in b.tokens:
-            self._run_prefill(pack_prefills([(trash, [0] * T, 0, None)], [0], b, trash)[0])[1].cpu()
+            self._run_prefill(warmup_prefill(T, b, trash))[1].cpu()
         for B in b.batch:
             d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
             for L in b.context:
