@@ -40,6 +40,22 @@ from tpuray.emulator import EmulatedCluster, SliceRequest
 # Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# `make test` runs the suite on two pytest-xdist workers, each with its own emulated cluster
+# (pytest_xdist_make_scheduler below): these modules (vLLM apps, 16-worker 4x4 slices: the suite's
+# memory peaks, several GB each) all run on one worker, in order, and everything else on the other, so
+# no two peaks meet.
+HEAVY_MODULES = frozenset(
+    {
+        "serve/test_vllm.py",
+        "serve/test_ray_serve_llm.py",
+        "serve/test_http_fuzz.py",
+        "serve/test_engine_proof.py",
+        "rl/test_vllm_rollout.py",
+        "train/test_ray_train.py",
+        "train/test_data.py",
+        "emulator/test_autoscale.py",  # not memory-heavy: evens the two workers' time (~9 min each)
+    }
+)
 DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
 TEST_NAMESPACE = "tpuray-tests"
 
@@ -111,6 +127,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return "cluster_manager" in names and "emulated_cluster" not in names
 
     items.sort(key=swaps)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `pytest -n N`: two work units, HEAVY_MODULES and the rest, each run whole by one worker in
+    collection order (pytest-xdist's own `--dist loadgroup` cannot tag items under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].removeprefix("tests/")
+            return "heavy" if module in HEAVY_MODULES else "light"
+
+    return HeavyApart(config, log)
 
 
 @pytest.fixture
