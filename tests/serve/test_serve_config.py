@@ -125,7 +125,7 @@ def test_seed_config_is_accepted_and_notes_ignored_kwargs(caplog):
         (dict(llm_engine="tensorrt"), r"llm_engine='tensorrt'"),
         (
             dict(engine_kwargs={"tensor_parallel_size": 16, "async_scheduling": 1}),
-            r"async_scheduling=1 is not valid; valid: True, False, None",
+            r"async_scheduling=1 is not valid; valid: True, False, None \(on\)",
         ),
     ],
 )

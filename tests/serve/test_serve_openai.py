@@ -31,8 +31,10 @@ def server(serve_url, tiny_model_dir):
     from tpuray.serve.llm import LLMServingArgs, build_openai_app, minilm_config
 
     before = set(live_placement_groups())
-    config = tiny_tp4_config(tiny_model_dir, async_scheduling=True)  # workers launch ahead (off: /single)
-    single_args = LLMServingArgs(llm_configs=[tiny_tp4_config(tiny_model_dir)], api_key="")
+    config = tiny_tp4_config(tiny_model_dir)  # workers launch ahead (the default; off: /single)
+    single_args = LLMServingArgs(
+        llm_configs=[tiny_tp4_config(tiny_model_dir, async_scheduling=False)], api_key=""
+    )
     assert single_args.single_deployment
     try:
         app = build_openai_app(LLMServingArgs(llm_configs=[config, minilm_config()], api_key=API_KEY))

@@ -193,7 +193,7 @@ class LLMConfig:
         check_choice("task", kw.get("task", "generate"), TASKS)
         if kw.get("async_scheduling") is not None and not isinstance(kw["async_scheduling"], bool):
             raise ConfigError(
-                f"async_scheduling={kw['async_scheduling']!r} is not valid; valid: True, False, None (off)"
+                f"async_scheduling={kw['async_scheduling']!r} is not valid; valid: True, False, None (on)"
             )
 
     def _validate_embedded_kwargs(self) -> None:

@@ -121,11 +121,10 @@ class EmbeddedEngine(PromptEncoder):
             )
             self.runner.warmup()  # a no-op unless it compiles (a real TPU)
         requested = config.engine_kwargs.get("async_scheduling")
-        self.async_scheduling: bool = bool(requested)
-        """engine_kwargs `async_scheduling` (vLLM's name; True, or False / None: off, the default): launch
+        self.async_scheduling: bool = requested is None or bool(requested)
+        """engine_kwargs `async_scheduling` (vLLM's name and default: None or True on, False off): launch
         each greedy step before the previous one is read back (pipeline.py); the tokens are the same
-        either way. Off by default everywhere until a real chip confirms it: on torch_tpu 0.2.0 the
-        greedy tokens of a reused cache slot already differ without it (docs/real-tpu.md)."""
+        either way (checked on CPU and on a TPU v5e chip: docs/real-tpu.md)."""
 
     # -- workers ------------------------------------------------------------------------------------------
     def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:

@@ -161,12 +161,14 @@ class ShardedLlama:
         stacked along the rows ([B, KV, G*T, D]), which is the same attention as repeating K/V G times
         (head h reads KV head h // G) but reads each K/V once."""
         B, H, T, D = q.shape
-        groups = H // k.shape[1]
-        if groups == 1:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        if mask.shape[-2] > 1:  # row g*T + t of a group is token t's row
+        KV = k.shape[1]
+        groups = H // KV
+        if mask.shape[-2] > 1 and groups > 1:  # row g*T + t of a group is token t's row
             mask = mask.repeat(1, 1, groups, 1)
-        out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * T, D), k, v, attn_mask=mask)
+        # the mask expanded to the scores' full shape: torch_tpu 0.2.0 ignores a mask that broadcasts
+        # over the query rows (a decode's [B, 1, 1, L]; benchmarks/tpu_cache_probe.py)
+        mask = mask.expand(B, KV, groups * T, k.shape[2])
+        out = F.scaled_dot_product_attention(q.reshape(B, KV, groups * T, D), k, v, attn_mask=mask)
         return out.reshape(B, H, T, D)
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
