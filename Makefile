@@ -27,9 +27,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/tpuray demo
 
-# Two pytest-xdist workers, each with its own emulated cluster; the memory-heavy modules share one worker
-# (tests/conftest.py: HEAVY_MODULES, pytest_xdist_make_scheduler). mypy runs beside them. On 2 cores this
-# took 985 s of pytest where one process took 1,094 s (2026-12-04).
+# Two pytest-xdist workers, each with its own emulated cluster; the memory-heavy modules run first, on one
+# worker, every other module on whichever is free (tests/conftest.py: HEAVY_MODULES,
+# pytest_xdist_make_scheduler). mypy runs beside them.
 PYTEST := $(BIN)/pytest -q -n 2
 
 test: setup

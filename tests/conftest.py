@@ -30,6 +30,7 @@ At session end the connection is closed and every node (raylets, GCS, workers) i
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -42,8 +43,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # `make test` runs the suite on two pytest-xdist workers, each with its own emulated cluster
 # (pytest_xdist_make_scheduler below): these modules (vLLM apps, 16-worker 4x4 slices: the suite's
-# memory peaks, several GB each) all run on one worker, in order, and everything else on the other, so
-# no two peaks meet.
+# memory peaks, several GB each) are one unit of work, run first and in order by one worker, so no two
+# peaks meet; every other module is a unit of its own, taken by whichever worker is free.
 HEAVY_MODULES = frozenset(
     {
         "serve/test_vllm.py",
@@ -53,9 +54,12 @@ HEAVY_MODULES = frozenset(
         "rl/test_vllm_rollout.py",
         "train/test_ray_train.py",
         "train/test_data.py",
-        "emulator/test_autoscale.py",  # not memory-heavy: evens the two workers' time (~9 min each)
+        "emulator/test_autoscale.py",
     }
 )
+# modules with layout-swapping tests (cluster_manager without emulated_cluster): one unit, run last, so
+# that a worker swaps its cluster's layout as few times as it can
+SWAPPING_MODULES = frozenset({"slices/test_layouts.py", "serve/test_model_source.py"})
 DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
 TEST_NAMESPACE = "tpuray-tests"
 
@@ -131,16 +135,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Under `pytest -n N`: two work units, HEAVY_MODULES and the rest, each run whole by one worker in
-    collection order (pytest-xdist's own `--dist loadgroup` cannot tag items under pytest 9)."""
+    """Under `pytest -n N`: HEAVY_MODULES are one unit of work, given out first; SWAPPING_MODULES one unit,
+    given out last; every other module a unit of its own, to whichever worker is free (a balance of the
+    workers' time that a fixed split cannot keep). pytest-xdist's own `--dist loadgroup` cannot tag items
+    under pytest 9."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class HeavyApart(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0].removeprefix("tests/")
-            return "heavy" if module in HEAVY_MODULES else "light"
+    def unit(nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0].removeprefix("tests/")
+        return "heavy" if module in HEAVY_MODULES else "swaps" if module in SWAPPING_MODULES else module
 
-    return HeavyApart(config, log)
+    class Units(OrderedDict):
+        """xdist's work queue, handing out the heavy unit first and the swapping one last."""
+
+        def popitem(self, last: bool = True):
+            for scope in ("heavy", *(k for k in self if k != "swaps"), "swaps"):
+                if scope in self:
+                    return scope, self.pop(scope)
+            raise KeyError("popitem(): no units left")
+
+    class HeavyFirst(LoadScopeScheduling):
+        def __init__(self, config: pytest.Config, log=None) -> None:
+            super().__init__(config, log)
+            self.workqueue = Units()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return HeavyFirst(config, log)
 
 
 @pytest.fixture

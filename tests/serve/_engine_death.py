@@ -18,6 +18,7 @@ import httpx
 
 REQUEST_TIMEOUT_S = 180.0  # a request that takes longer is a hang
 RECOVERY_TIMEOUT_S = 300.0  # the most the tests wait for a 200 after a kill
+BACKOFF_S = 0.5  # a client's pause after an error answer
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Load:
                     outcome = f"hang ({type(e).__name__})"
                 self.outcomes.append((time.monotonic(), outcome))
                 n += 1
+                if outcome != "ok":  # back off, as an OpenAI client does: 8 clients retrying at once
+                    await asyncio.sleep(BACKOFF_S)  # would slow the replacement replica's start
 
     async def served(self, count: int, since: float = 0.0) -> None:
         """Until `count` requests that ended after `since` were answered 200."""

@@ -1,14 +1,29 @@
 """Hypothesis strategies from an OpenAPI document's JSON schemas (a small generator: hypothesis-jsonschema
 and schemathesis are not installed). Values follow the schema's types and bounds, with sizes kept small
 so that one example costs at most a short generation; `request_bodies` then breaks some of them (a field
-of the wrong type, an unknown model) so that the error paths are fuzzed too."""
+of the wrong type, an unknown model) so that the error paths are fuzzed too. `fuzz_app` runs the fuzz
+against a served app (test_http_fuzz.py: the embedded engine; test_vllm.py: vLLM)."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from typing import Any
 
+import httpx
+import jsonschema
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+TIMEOUT_S = 120.0  # a fuzzed request that takes longer is a hang
+POSTS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
+REQUEST_MODELS = {
+    "/v1/completions": "CompletionRequest",
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/embeddings": "EmbeddingRequest",
+    "/tokenize": "TokenizeRequest",
+    "/detokenize": "DetokenizeRequest",
+}
 SMALL = 8  # how far above its minimum an integer (or a list's length) goes: bounded cost per request
 JUNK = st.one_of(
     st.none(),
@@ -112,3 +127,54 @@ def request_bodies(document: dict[str, Any], path: str, models: list[str]) -> st
         return fields
 
     return st.one_of(body(), body(), body(), body(), body(), JUNK)
+
+
+def validate(document: dict, instance: Any, ref: dict) -> None:
+    jsonschema.validate(instance, {**ref, "components": document["components"]})
+
+
+def _check(document: dict, path: str, response: httpx.Response) -> None:
+    assert response.status_code < 500, (path, response.status_code, response.text[:500])
+    responses = document["paths"][path]["post"]["responses"]
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+        for event in events[:-1]:
+            assert json.loads(event).get("error", {}).get("type") != "internal_error", event
+        assert events[-1] == "[DONE]" or "error" in json.loads(events[-1])
+        return
+    schema = responses[str(response.status_code)]["content"]["application/json"]["schema"]
+    validate(document, response.json(), schema)
+
+
+def _normal_requests_work(http: httpx.Client, model: str) -> None:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def fuzz_app(base_url: str, document: dict, model: str, examples: int, headers: dict | None = None) -> None:
+    """`examples` requests built from the app's document, for `model`: no 5xx, no hang (each within
+    TIMEOUT_S), every answer as documented; then a normal completion and chat are served."""
+    strategies = {path: request_bodies(document, path, [model]) for path in POSTS}
+    path_and_body = st.sampled_from(POSTS).flatmap(lambda p: st.tuples(st.just(p), strategies[p]))
+    seen: Counter[tuple[str, int]] = Counter()
+    with httpx.Client(base_url=base_url, timeout=TIMEOUT_S, headers=headers or {}) as http:
+
+        @settings(
+            max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(path_and_body)
+        def fuzz(case):
+            path, body = case
+            raw = json.dumps(body).encode()  # NaN and Infinity too (httpx's json= refuses them)
+            response = http.post(path, content=raw, headers={"content-type": "application/json"})
+            seen[path, response.status_code] += 1
+            _check(document, path, response)
+
+        fuzz()
+        print(model, sorted(seen.items()))  # what the fuzz reached (pytest -s)
+        served = sum(n for (path, status), n in seen.items() if status == 200 and path != "/v1/embeddings")
+        assert served >= examples // 10, f"the fuzz rarely got past validation: {sorted(seen.items())}"
+        _normal_requests_work(http, model)
