@@ -19,8 +19,9 @@ def in_process_server(model_id: str, model_dir: str, max_model_len: int = MAX_MO
     )
 
 
-def tiny_tp4_config(tiny_model_dir: str, **engine_kwargs):
-    """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice."""
+def tiny_tp4_config(tiny_model_dir: str, chips_per_worker: int = 1, **engine_kwargs):
+    """The seed's serving config, shrunk: the tiny model, TP=4 over a v6e 2x2 slice (`chips_per_worker`
+    4: one worker holding the 4 chips, TP=1)."""
     from tpuray.serve.llm import LLMConfig, ModelLoadingConfig
 
     return LLMConfig(
@@ -28,9 +29,9 @@ def tiny_tp4_config(tiny_model_dir: str, **engine_kwargs):
         llm_engine="embedded",
         accelerator_type="TPU-V6E",
         accelerator_config={"kind": "tpu", "topology": "2x2"},
-        placement_group_config={"bundle_per_worker": {"TPU": 1}},
+        placement_group_config={"bundle_per_worker": {"TPU": chips_per_worker}},
         engine_kwargs={
-            "tensor_parallel_size": 4,
+            "tensor_parallel_size": 4 // chips_per_worker,
             "max_model_len": MAX_MODEL_LEN,
             "enable_expert_parallel": True,
             **engine_kwargs,

@@ -32,9 +32,10 @@ def server(serve_url, tiny_model_dir):
 
     before = set(live_placement_groups())
     config = tiny_tp4_config(tiny_model_dir)  # workers launch ahead (the default; off: /single)
-    single_args = LLMServingArgs(
-        llm_configs=[tiny_tp4_config(tiny_model_dir, async_scheduling=False)], api_key=""
-    )
+    # the one-model app: one engine worker holding its slice's 4 chips (one process to start, not 4),
+    # stepping synchronously (the engine's other path)
+    one_worker = tiny_tp4_config(tiny_model_dir, chips_per_worker=4, async_scheduling=False)
+    single_args = LLMServingArgs(llm_configs=[one_worker], api_key="")
     assert single_args.single_deployment
     try:
         app = build_openai_app(LLMServingArgs(llm_configs=[config, minilm_config()], api_key=API_KEY))
@@ -292,7 +293,8 @@ def test_single_model_app_is_one_deployment(single, client):
 
     assert list(serve.status().applications["tpuray-single"].deployments) == ["LLMServer:tiny"]
     info = serve.get_deployment_handle("LLMServer:tiny", app_name="tpuray-single").describe.remote().result()
-    assert info["tensor_parallel_size"] == 4 and info["emulated"] is True and "v6e-4" in info["slice"]
+    assert info["tensor_parallel_size"] == 1 and info["emulated"] is True and "v6e-4" in info["slice"]
+    assert len(info["workers"]) == 1 and not info["async_scheduling"]
     c = openai.OpenAI(base_url=single + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in c.models.list()] == ["tiny"]
     # the same greedy text as the two-hop app (router -> LLMServer deployment) serving the same model
