@@ -221,19 +221,28 @@ def loop_rate(runner, steps: int, ahead: bool, max_num_seqs: int, max_model_len:
     return steps / (time.perf_counter() - start)
 
 
-def greedy_tokens(runner, n: int = 24, ahead: bool = False) -> list[int]:
-    """`n` greedy tokens of one sequence (slot 0) from a fixed prompt: compares backends' and modes'
-    outputs (`ahead`: each step launched before the previous one is read back)."""
-    prompt = list(range(3, 40))
-    first = runner.launch([(0, prompt, 0, None)], need_logits=False)
-    pending, ids = first, []
+PROMPT = list(range(3, 40))  # the greedy checks' prompt
+MODES = ("sync", "waited", "ahead")
+
+
+def greedy_tokens(runner, n: int = 24, mode: str = "sync", slot: int = 0) -> list[int]:
+    """`n` greedy tokens of one sequence (cache slot `slot`) from a fixed prompt: compares backends' and
+    modes' outputs. `mode`: "sync" (each step's ids read back, then the next step launched), "waited" (the
+    next step takes its token from the device, FROM_DEVICE, after the previous step finished), "ahead"
+    (async scheduling: launched before the previous step is read back)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not valid; valid: {', '.join(MODES)}")
+    pending, ids = runner.launch([(slot, PROMPT, 0, None)], need_logits=False), []
     for i in range(n - 1):
-        if ahead:
-            launched = runner.launch([(0, [FROM_DEVICE], len(prompt) + i, None)], need_logits=False)
+        pos = len(PROMPT) + i
+        if mode == "sync":
             ids.append(runner.collect(pending).token_ids[0])
+            launched = runner.launch([(slot, [ids[-1]], pos, None)], need_logits=False)
         else:
+            if mode == "waited":
+                pending.parts[0][2].cpu()  # the previous step's ids: it has finished
+            launched = runner.launch([(slot, [FROM_DEVICE], pos, None)], need_logits=False)
             ids.append(runner.collect(pending).token_ids[0])
-            launched = runner.launch([(0, [ids[-1]], len(prompt) + i, None)], need_logits=False)
         pending = launched
     ids.append(runner.collect(pending).token_ids[0])
     return ids

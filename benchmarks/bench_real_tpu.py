@@ -149,7 +149,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
     figures = {"decode_batch1_tokens_per_s": b1, "decode_batch32_tokens_per_s": b32, "ttft_ms": ttft}
     figures |= {"decode_batch1_async_tokens_per_s": b1a, "decode_batch32_async_tokens_per_s": b32a}
     figures["greedy_tokens"] = greedy_tokens(runner)
-    ahead_tokens = greedy_tokens(runner, ahead=True)
+    ahead_tokens = greedy_tokens(runner, mode="ahead")
     report("greedy_async_vs_sync", backend=backend, same_tokens=ahead_tokens == figures["greedy_tokens"])
     if not args.quick:
         for ahead in (False, True, False, True):  # alternated: the first run also warms the host up

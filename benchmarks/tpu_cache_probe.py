@@ -9,6 +9,12 @@ for the device and compared with the CPU in float32 (highest matmul precision). 
    difference of every step, in slot 0, slot 0 again, a fresh slot, and a slot whose positions beyond
    the sequence hold garbage.
 
+Found on a TPU v5e with torch_tpu 0.2.0 (2026-12-04): `write_read` holds; `masked_sdpa` fails with the
+decode mask as the engine built it ([B, 1, 1, L], broadcast over the query rows: max difference 0.81
+from the CPU, 1,001 with large keys beyond the mask; an additive float mask of that shape too) and holds
+with the mask expanded to the scores' shape or a hand-written softmax (1.3e-6); the model now expands
+it, and `lockstep` agrees to 1.1e-6 in every slot (docs/real-tpu.md, "A reused cache slot").
+
     python3 benchmarks/tpu_cache_probe.py                    # a TPU VM (. benchmarks/tpu_vm_env.sh)
     python benchmarks/tpu_cache_probe.py --device cpu        # the same probes compiled for the CPU
 """

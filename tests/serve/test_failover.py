@@ -1,5 +1,5 @@
 """Serving through a spot preemption: a replica on a preempted emulated slice moves its engine to the
-spare slice while 16 clients keep sending requests (half of them streamed), and none of them fails: every
+spare slice while 8 clients keep sending requests (half of them streamed), and none of them fails: every
 response is a 200, every stream ends with [DONE] and carries no error event."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_preempted_replica_fails_over_with_no_failed_request(
                     n += 1
 
             async with httpx.AsyncClient(timeout=300) as http:
-                clients = [asyncio.create_task(client(i, http)) for i in range(16)]
+                clients = [asyncio.create_task(client(i, http)) for i in range(8)]
                 while len(outcomes) < 32:
                     await asyncio.sleep(0.1)
                 preemption = await asyncio.to_thread(emulated_cluster.preempt_slice, first_slice, 10)
