@@ -254,6 +254,7 @@ class RLRun:
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
         self._check_capacity()
+        self._versions, self._attempt = [], 0
         if self.config.placement == "disaggregated":  # reserves the rollout slice (or raises, nothing held)
             self._engine = RolloutEngine(self.config.rollout)
         try:
