@@ -88,19 +88,12 @@ def test_rl_config_refuses_bad_values(tiny_models):
         with pytest.raises(ConfigError, match=named):
             RLConfig(**{**ok, **bad})
     restarts = RunConfig(failure_config=FailureConfig(max_failures=1))
-    colocated = {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0])}
-    for bad, named in (
-        ({}, "max_failures=1\\) with RLConfig.weight_sync='tpu_dist' is not supported"),
-        (
-            {**colocated, "weight_sync": "object_store"},
-            "max_failures=1\\) with RLConfig.placement='colocated'",
-        ),
-    ):
-        with pytest.raises(
-            ConfigError, match=rf"{named}.*valid: max_failures=0, or placement='disaggregated'"
-        ):
-            RLRun(RLConfig(**{**ok, **bad}), _rl_loops.rl_loop, run_config=restarts)
-    RLRun(RLConfig(**ok, weight_sync="object_store"), _rl_loops.rl_loop, run_config=restarts)  # restartable
+    colocated = RLConfig(
+        RolloutConfig(tiny_models[0]), ok["trainer"], placement="colocated", weight_sync="object_store"
+    )
+    with pytest.raises(ConfigError, match=r"max_failures=1\) with RLConfig.placement='colocated' is not"):
+        RLRun(colocated, _rl_loops.rl_loop, run_config=restarts)
+    RLRun(RLConfig(**ok), _rl_loops.rl_loop, run_config=restarts)  # disaggregated: restartable
 
 
 def test_rl_run_syncs_from_a_tpuray_train_run(

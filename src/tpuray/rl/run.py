@@ -192,22 +192,16 @@ class RLResult:
 
 
 def _check_restarts(config: RLConfig, max_failures: int) -> None:
-    """Trainer restarts (FailureConfig(max_failures) != 0) need what a new attempt's workers can rejoin:
-    the object store and the engine on its own slice (docs/rl.md, "Restarts")."""
+    """Trainer restarts (FailureConfig(max_failures) != 0) need the engine on a slice of its own, which
+    outlives the trainer's workers (docs/rl.md, "Reservation and failures")."""
     if max_failures == 0:
         return
-    for field_name, value in (("placement", "colocated"), ("weight_sync", "tpu_dist")):
-        if getattr(config, field_name) == value:
-            why = (
-                "the engine runs in the trainer's workers, and a restart replaces them"
-                if value == "colocated"
-                else "its process group spans the trainer's ranks and is formed once; a restart replaces them"
-            )
-            raise ConfigError(
-                f"FailureConfig(max_failures={max_failures}) with RLConfig.{field_name}={value!r} is not "
-                f"supported: {why}; valid: max_failures=0, or placement='disaggregated' with "
-                "weight_sync='object_store'"
-            )
+    if config.placement == "colocated":
+        raise ConfigError(
+            f"FailureConfig(max_failures={max_failures}) with RLConfig.placement='colocated' is not "
+            "supported: the engine runs in the trainer's workers, and a restart replaces them; valid: "
+            "max_failures=0, or placement='disaggregated'"
+        )
 
 
 class RLRun:
@@ -218,7 +212,7 @@ class RLRun:
     slice is reserved, and the engine starts in its workers once they wait for batch 0.
 
     Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0;
-    disaggregated over weight_sync="object_store" only, the rest refused by name) a lost trainer worker
+    disaggregated only, colocated refused by name; over "tpu_dist" each attempt forms its own group) a lost trainer worker
     or host restarts the trainer's worker group (tpuray.train's fault tolerance); the loop resumes from
     `tpuray.train.get_checkpoint()` and takes the batches after it again (the driver keeps them), and
     the engine loads the versions it re-sends. Past N, or a rollout-side failure: RLRunError."""

@@ -23,13 +23,15 @@ Trainer restarts (`tpuray.train` fault tolerance, docs/rl.md "Restarts"): the we
 trainer attempt (`TrainContext.get_attempt()`); the mailbox forgets an older attempt's entries once a
 newer one sends, `receive` returns the newest attempt's first complete update (a restarted trainer
 re-sends the versions after its checkpoint), and batches stay in the mailbox so that a restarted rank
-can take batch k again. The "tpu_dist" group and the colocated engine live in the first attempt's
-processes: a restarted rank refuses to go on with them (SyncError, the run ends).
+can take batch k again. Over "tpu_dist" each attempt forms its own group with the engine's workers
+(`Channel.generation`); the colocated engine lives in the first attempt's processes: a restarted rank
+refuses to go on with it (SyncError, the run ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -151,6 +153,11 @@ def _attempt() -> int:
     return session.context.attempt if session is not None else 0
 
 
+def _generation(channel: Channel, attempt: int) -> Channel:
+    """The tpu_dist group of trainer attempt `attempt` (each attempt's new processes form their own)."""
+    return dataclasses.replace(channel, generation=attempt)
+
+
 def _weight_key(attempt: int, what: str, version: int, rank: int) -> str:
     return f"{ATTEMPT_PREFIX}{attempt}/{what}/{version}/{rank}"
 
@@ -191,17 +198,14 @@ class SyncTarget:
         return ray.get(ref[0])
 
     def _check_attempt(self) -> int:
-        """This worker's trainer attempt; a restarted one (attempt > 0) cannot go on over a tpu_dist
-        group or with a colocated engine: both were formed with the first attempt's processes."""
+        """This worker's trainer attempt; a restarted one (attempt > 0) cannot go on with a colocated
+        engine: it ran in the first attempt's processes."""
         attempt = _attempt()
-        if attempt > 0 and (self.channel is not None or self.colocated):
-            what = "placement='colocated' (its engine ran in the lost workers)"
-            if self.channel is not None:
-                what = "weight_sync='tpu_dist' (its process group spans the lost trainer ranks)"
+        if attempt > 0 and self.colocated:
             raise SyncError(
-                f"the trainer restarted (attempt {attempt}); an RLRun with RLConfig {what} cannot resume "
-                "with new trainer workers, so the run ends; valid for restarts: placement='disaggregated' "
-                "with weight_sync='object_store'"
+                f"the trainer restarted (attempt {attempt}); an RLRun with RLConfig placement='colocated' "
+                "cannot resume with new trainer workers (its engine ran in the lost ones), so the run "
+                "ends; valid for restarts: placement='disaggregated'"
             )
         return attempt
 
@@ -224,7 +228,7 @@ class SyncTarget:
             refused = self.get(_weight_key(attempt, "go", version, rank))
             if refused is not None:
                 raise WeightMismatchError(refused)
-            member(self.channel, rank).send_all([f for _, f in packed])
+            member(_generation(self.channel, attempt), rank).send_all([f for _, f in packed])
         error = self.get(_weight_key(attempt, "ack", version, rank))
         if error is not None:
             raise WeightMismatchError(error)
@@ -359,9 +363,9 @@ class WeightSync:
                 if sent[r] is not None:
                     refs[r].append(sent[r])
                     nbytes[r] += sizes[r]
-        return TrainerUpdate(
-            tuple(tuple(r) for r in refs), tuple(nbytes), self.target.channel, version, attempt
-        )
+        channel = self.target.channel
+        channel = _generation(channel, attempt) if channel is not None else None
+        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), channel, version, attempt)
 
     def release(self, update: TrainerUpdate, config: Mapping[str, Any]) -> None:
         """tpu_dist: check the offered pieces' names and shapes against the engine's model (`config`)
