@@ -212,10 +212,11 @@ class RLRun:
     slice is reserved, and the engine starts in its workers once they wait for batch 0.
 
     Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0;
-    disaggregated only, colocated refused by name; over "tpu_dist" each attempt forms its own group) a lost trainer worker
-    or host restarts the trainer's worker group (tpuray.train's fault tolerance); the loop resumes from
-    `tpuray.train.get_checkpoint()` and takes the batches after it again (the driver keeps them), and
-    the engine loads the versions it re-sends. Past N, or a rollout-side failure: RLRunError."""
+    disaggregated only, colocated refused by name) a lost trainer worker or host restarts the trainer's
+    worker group (tpuray.train's fault tolerance); the loop resumes from `tpuray.train.get_checkpoint()`
+    and takes the batches after it again (the driver keeps them), the engine loads the versions it
+    re-sends (over "tpu_dist" each attempt forms its own group with the engine's workers). Past N, or a
+    rollout-side failure: RLRunError."""
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ On the driver:                            `sync = WeightSync(tp, trainer_world_s
                                           `sync.release(update, engine.model_config)`,
                                           `engine.update_weights(update)`, `sync.ack(update)`.
 
-Trainer restarts (`tpuray.train` fault tolerance, docs/rl.md "Restarts"): the weight keys carry the
+Trainer restarts (`tpuray.train` fault tolerance, docs/rl.md "Trainer restarts"): the weight keys carry the
 trainer attempt (`TrainContext.get_attempt()`); the mailbox forgets an older attempt's entries once a
 newer one sends, `receive` returns the newest attempt's first complete update (a restarted trainer
 re-sends the versions after its checkpoint), and batches stay in the mailbox so that a restarted rank
