@@ -46,3 +46,45 @@ def rl_loop(config: dict) -> list:
             raise RuntimeError(f"trainer failure injected at iteration {k}")
         rl.send(model, version=k + 1)
     return seen
+
+
+def restart_loop(config: dict) -> dict:
+    """An RLRun's trainer (DDP) that checkpoints the next iteration after each update and resumes from
+    `train.get_checkpoint()`. On the first attempt rank 1, once it sent update `kill_at + 1` and the
+    checkpoint before it is committed, kills its own worker (`ray.kill`) instead of checkpointing: the
+    restarted attempt resumes at iteration `kill_at` and re-sends that update, which the engine holds."""
+    import json
+    import os
+    import tempfile
+    import time
+
+    import ray
+
+    from tpuray import train
+    from tpuray.train import Checkpoint
+    from tpuray.train.checkpoint import join, read_text
+
+    rl, ctx = config["rl"], train.get_context()
+    model = load_policy(config["path"], "ddp")
+    start, restored = 0, train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d, open(os.path.join(d, "rl.json")) as f:
+            start = json.load(f)["next"]
+    seen = []
+    for k in range(start, rl.iterations):
+        seen.append(rl.batch(k))
+        rl.send(model, version=k + 1)
+        if ctx.get_attempt() == 0 and ctx.get_world_rank() == 1 and k == config["kill_at"]:
+            for _ in range(600):  # bounded: the driver commits checkpoint k-1 once both ranks reported it
+                state = json.loads(read_text(join(ctx.get_trial_dir(), "run_state.json")) or "{}")
+                if state.get("latest_checkpoint") == k - 1:
+                    break
+                time.sleep(0.2)
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            time.sleep(600)  # killed meanwhile
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "rl.json"), "w") as f:
+                json.dump({"next": k + 1}, f)
+            ckpt = Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None
+            train.report({"k": k}, checkpoint=ckpt)
+    return {"attempt": ctx.get_attempt(), "start": start, "seen": seen}

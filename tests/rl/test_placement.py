@@ -91,3 +91,34 @@ def test_colocated_run_and_failures(
     finally:
         remove_placement_group(other)
     _no_group_left(pg_leak_check)
+
+
+@pytest.mark.parametrize("sync", ["object_store", "tpu_dist"])
+def test_trainer_worker_killed_restarts_from_its_checkpoint(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, sync
+):
+    """Disaggregated with FailureConfig(max_failures=1), over either transport (tpu_dist: the new attempt
+    forms a new group with the engine's workers): a trainer worker killed
+    (ray.kill) after sending update 2 and before checkpointing it restarts the trainer's worker group
+    (tpuray.train's fault tolerance); the new attempt resumes from checkpoint 0 at iteration 1, takes
+    batch 1 again and re-sends update 2, which the engine loads again over the lost attempt's, and the
+    run completes every iteration. Nothing is left."""
+    from tpuray.train import FailureConfig, RunConfig, ScalingConfig
+
+    rl = RLRun(
+        RLConfig(slice_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), weight_sync=sync),
+        _rl_loops.restart_loop,
+        train_loop_config={"path": tiny_models[1], "kill_at": 1},
+        run_config=RunConfig(
+            storage_path=f"file://{tmp_path}",
+            name=f"restart-{sync}",
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    )
+    result = rl.run(3, lambda engine, k: _greedy(engine))
+    assert result.versions == [1, 2, 2, 3]  # the engine ends with the final version
+    assert result.batches == [reference[w] for w in "abb"]  # generated with updates 0, 1, 2
+    out = result.train_result.return_value  # rank 0 of the attempt that finished
+    assert (out["attempt"], out["start"]) == (1, 1)  # restarted, resumed from its checkpoint
+    assert out["seen"] == result.batches[1:]  # batch 1 handed again, then batch 2
+    _no_group_left(pg_leak_check)

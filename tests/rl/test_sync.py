@@ -87,12 +87,13 @@ def test_rl_config_refuses_bad_values(tiny_models):
     ):
         with pytest.raises(ConfigError, match=named):
             RLConfig(**{**ok, **bad})
-    with pytest.raises(ConfigError, match=r"max_failures=1\) is not supported by an RL run"):
-        RLRun(
-            RLConfig(**ok),
-            _rl_loops.rl_loop,
-            run_config=RunConfig(failure_config=FailureConfig(max_failures=1)),
-        )
+    restarts = RunConfig(failure_config=FailureConfig(max_failures=1))
+    colocated = RLConfig(
+        RolloutConfig(tiny_models[0]), ok["trainer"], placement="colocated", weight_sync="object_store"
+    )
+    with pytest.raises(ConfigError, match=r"max_failures=1\) with RLConfig.placement='colocated' is not"):
+        RLRun(colocated, _rl_loops.rl_loop, run_config=restarts)
+    RLRun(RLConfig(**ok), _rl_loops.rl_loop, run_config=restarts)  # disaggregated: restartable
 
 
 def test_rl_run_syncs_from_a_tpuray_train_run(

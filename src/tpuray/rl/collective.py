@@ -9,7 +9,9 @@ The group is built with torch.distributed: the backend "tpu_dist" (on emulated h
 gloo-backed group, `tpuray.runtime.dist`; on TPU hosts the one torch_tpu registers) created by its
 registered creator on a `PrefixStore` of a `TCPStore` the driver hosts (`Rendezvous`). Ranks: trainer
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
-first transfer (`member`) and keeps the group until it exits.
+first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
+processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
+engine's workers join it at their next transfer (the old one is left to their exit).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Channel:
     trainer_world_size: int
     tensor_parallel_size: int
     timeout_s: float
+    generation: int = 0  # the trainer attempt: a restarted trainer forms a new group (own store prefix)
 
     @property
     def world_size(self) -> int:
@@ -141,7 +144,8 @@ class SyncGroup:
         store = dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
         self.channel = channel
         self.rank = rank
-        self.pg: Any = plugin.creator_fn(dist.PrefixStore(PREFIX, store), rank, channel.world_size, timeout)
+        prefix = f"{PREFIX}/{channel.generation}"
+        self.pg: Any = plugin.creator_fn(dist.PrefixStore(prefix, store), rank, channel.world_size, timeout)
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
 
     def send_all(self, flats: list[torch.Tensor | None]) -> None:
@@ -176,16 +180,18 @@ class SyncGroup:
             shutdown()
 
 
-_MEMBERS: dict[tuple[str, int], SyncGroup] = {}  # this process's groups, by rendezvous address
+_MEMBERS: dict[tuple[str, int, int], SyncGroup] = {}  # this process's groups, by rendezvous address
 
 
 def member(channel: Channel, rank: int) -> SyncGroup:
     """This process's member of `channel`'s group as `rank` (joined at the first call: blocks until every
     rank of the group joined; closed when the process exits)."""
-    key = (channel.host, channel.port)
+    key = (channel.host, channel.port, channel.generation)
     if key not in _MEMBERS:
         if not _MEMBERS:
             atexit.register(close_all)
+        for old in [k for k in _MEMBERS if k[:2] == key[:2] and k[2] < key[2]]:
+            _MEMBERS.pop(old).close()  # a lost trainer attempt's group
         _MEMBERS[key] = SyncGroup(channel, rank)
     return _MEMBERS[key]
 

@@ -165,7 +165,8 @@ class RLConfig:
 class IterationStats:
     """One iteration on the driver: seconds in `rollout` (rollout_fn of the next batch: generate + reward;
     with overlap, while the trainer trains), `wait` (for the trainer's weights, beyond the rollout),
-    `sync` (update_weights: transfer + load) and `total`; `sync_bytes` the rollout ranks received, each from up
+    `sync` (update_weights: transfer + load; after a trainer restart, with the versions it re-sent) and
+    `total`; `sync_bytes` the rollout ranks received, each from up
     to `senders` trainer ranks; `freed` (colocated) what the engine released on the chips for training."""
 
     rollout: float
@@ -185,6 +186,22 @@ class RLResult:
     train_result: Any
     batches: list[Any]
     times: list[IterationStats]
+    versions: list[int] = field(default_factory=list)
+    """The weight versions the engine loaded, in order: 1..iterations, plus, after a trainer restart, the
+    versions after its checkpoint again (the restarted trainer's state replaces the lost one's)."""
+
+
+def _check_restarts(config: RLConfig, max_failures: int) -> None:
+    """Trainer restarts (FailureConfig(max_failures) != 0) need the engine on a slice of its own, which
+    outlives the trainer's workers (docs/rl.md, "Reservation and failures")."""
+    if max_failures == 0:
+        return
+    if config.placement == "colocated":
+        raise ConfigError(
+            f"FailureConfig(max_failures={max_failures}) with RLConfig.placement='colocated' is not "
+            "supported: the engine runs in the trainer's workers, and a restart replaces them; valid: "
+            "max_failures=0, or placement='disaggregated'"
+        )
 
 
 class RLRun:
@@ -192,7 +209,14 @@ class RLRun:
     Reservation is all or nothing: the cluster's slices are counted first (too few: RLRunError, nothing
     reserved), then the rollout engine's slice is reserved, then the trainer's (fit()); any failure on the
     way, or of either side later, releases both and raises RLRunError. Colocated: only the trainer's
-    slice is reserved, and the engine starts in its workers once they wait for batch 0."""
+    slice is reserved, and the engine starts in its workers once they wait for batch 0.
+
+    Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0;
+    disaggregated only, colocated refused by name) a lost trainer worker or host restarts the trainer's
+    worker group (tpuray.train's fault tolerance); the loop resumes from `tpuray.train.get_checkpoint()`
+    and takes the batches after it again (the driver keeps them), the engine loads the versions it
+    re-sends (over "tpu_dist" each attempt forms its own group with the engine's workers). Past N, or a
+    rollout-side failure: RLRunError."""
 
     def __init__(
         self,
@@ -209,11 +233,7 @@ class RLRun:
         run_config = run_config or RunConfig()
         if not isinstance(run_config, RunConfig):
             raise ConfigError(f"run_config must be a tpuray.train.RunConfig, got {run_config!r}")
-        if run_config.failure_config.max_failures != 0:
-            raise ConfigError(
-                f"FailureConfig(max_failures={run_config.failure_config.max_failures}) is not supported by an "
-                "RL run: a failed trainer ends the run (RLRunError); valid: 0"
-            )
+        _check_restarts(config, run_config.failure_config.max_failures)
         self.config = config
         self.train_loop = train_loop
         self.train_loop_config = dict(train_loop_config or {})
@@ -221,12 +241,15 @@ class RLRun:
         self._fit_out: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
+        self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
+        self._attempt = 0  # the trainer attempt whose updates the engine loads
 
     def run(self, iterations: int, rollout_fn: RolloutFn) -> RLResult:
         """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
         self._check_capacity()
+        self._versions, self._attempt = [], 0
         if self.config.placement == "disaggregated":  # reserves the rollout slice (or raises, nothing held)
             self._engine = RolloutEngine(self.config.rollout)
         try:
@@ -242,7 +265,7 @@ class RLRun:
         try:
             self._start_trainer(sync, iterations)
             batches, times = self._loop(sync, iterations, rollout_fn)
-            return RLResult(self._finish(), batches, times)
+            return RLResult(self._finish(), batches, times, self._versions)
         except BaseException as e:
             if self.config.placement == "disaggregated":
                 self._shutdown_engine()  # first: a trainer rank mid-send over tpu_dist then fails, not waits
@@ -366,20 +389,14 @@ class RLRun:
             if overlap and more:  # generate k+1 with the current weights while the trainer trains on k
                 upcoming = self._rollout(sync, k + 1, rollout_fn)
                 rollout_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            update = sync.receive(k + 1, self._alive)
-            t2 = time.perf_counter()
-            assert self._engine is not None  # made by the first _rollout
-            self._update(self._engine, sync, update, k + 1)
+            update, wait_s, sync_s = self._sync_to(sync, k + 1)
             t3 = time.perf_counter()
             if not overlap and more:
                 upcoming = self._rollout(sync, k + 1, rollout_fn)
                 rollout_s = time.perf_counter() - t3
             senders = max(len(refs) for refs in update.refs)
             total = time.perf_counter() - t0
-            times.append(
-                IterationStats(rollout_s, t2 - t1, t3 - t2, total, sum(update.nbytes), senders, freed)
-            )
+            times.append(IterationStats(rollout_s, wait_s, sync_s, total, sum(update.nbytes), senders, freed))
             if upcoming is not None:
                 batch, freed = upcoming
         return batches, times
@@ -401,14 +418,41 @@ class RLRun:
         batch = rollout_fn(self._engine, k)
         return batch, self._engine.sleep()
 
+    def _sync_to(self, sync: WeightSync, version: int) -> tuple[Any, float, float]:
+        """Load the trainer's updates into the engine up to `version`'s: (that update, seconds waiting
+        for updates, seconds loading them). After a trainer restart (tpuray.train fault tolerance) the
+        new attempt resumes from its checkpoint and re-sends the versions after it, the engine may
+        already hold: each is loaded again (the restarted trainer's state wins)."""
+        wait_s = sync_s = 0.0
+        while True:
+            t0 = time.perf_counter()
+            update = sync.receive(self._alive)
+            t1 = time.perf_counter()
+            if update.attempt != self._attempt:
+                logger.warning(
+                    "tpuray.rl: the trainer restarted (attempt %d); it resumed at weight version %d, the "
+                    "engine continues from it",
+                    update.attempt,
+                    update.version,
+                )
+                self._attempt = update.attempt
+            assert self._engine is not None  # made by the first _rollout
+            self._update(self._engine, sync, update)
+            self._versions.append(update.version)
+            wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
+            if update.version >= version:
+                return update, wait_s, sync_s
+
     @staticmethod
-    def _update(engine: RolloutEngine, sync: WeightSync, update: Any, version: int) -> None:
+    def _update(engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
         from tpuray.rl.weights import WeightMismatchError
 
         try:
-            sync.release(update, version, engine.model_config)  # tpu_dist: checked before data moves
+            sync.release(update, engine.model_config)  # tpu_dist: checked before data moves
             engine.update_weights(update)
         except WeightMismatchError as e:
-            sync.ack(version, error=str(e))  # the trainer's ranks raise it too
-            raise RLRunError(f"the RL run ended: the trainer's update {version} was refused: {e}") from e
-        sync.ack(version)
+            sync.ack(update, error=str(e))  # the trainer's ranks raise it too
+            raise RLRunError(
+                f"the RL run ended: the trainer's update {update.version} was refused: {e}"
+            ) from e
+        sync.ack(update)

@@ -15,14 +15,23 @@ assembles and stages as above. No full copy of the state on the driver.
 On the trainer (in the train loop):      `target.send(model, version)`  (every rank; blocks until the
                                           engine committed the update, so the objects' owner outlives it)
 On the driver:                            `sync = WeightSync(tp, trainer_world_size, transport=...)`,
-                                          `update = sync.receive(version, alive)`,
-                                          `sync.release(update, version, engine.model_config)`,
-                                          `engine.update_weights(update)`, `sync.ack(version)`.
+                                          `update = sync.receive(alive)` (its `version`),
+                                          `sync.release(update, engine.model_config)`,
+                                          `engine.update_weights(update)`, `sync.ack(update)`.
+
+Trainer restarts (`tpuray.train` fault tolerance, docs/rl.md "Trainer restarts"): the weight keys carry the
+trainer attempt (`TrainContext.get_attempt()`); the mailbox forgets an older attempt's entries once a
+newer one sends, `receive` returns the newest attempt's first complete update (a restarted trainer
+re-sends the versions after its checkpoint), and batches stay in the mailbox so that a restarted rank
+can take batch k again. Over "tpu_dist" each attempt forms its own group with the engine's workers
+(`Channel.generation`); the colocated engine lives in the first attempt's processes: a restarted rank
+refuses to go on with it (SyncError, the run ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -41,6 +50,7 @@ from tpuray.rl.weights import (
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 POLL_S = 0.5
+ATTEMPT_PREFIX = "attempt"  # mailbox keys of one trainer attempt's weight updates: attempt{n}/...
 
 
 class SyncError(RuntimeError):
@@ -57,6 +67,8 @@ class TrainerUpdate:
     refs: tuple[tuple[Any, ...], ...]
     nbytes: tuple[int, ...]  # bytes each rollout rank receives
     channel: Channel | None = None  # tpu_dist: where the group meets; None: through the object store
+    version: int = 0  # the weight version the trainer sent
+    attempt: int = 0  # the tpuray.train attempt whose ranks sent it (0, then +1 per trainer restart)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -133,6 +145,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _attempt() -> int:
+    """This tpuray.train worker's attempt (0 outside a tpuray.train run)."""
+    from tpuray.train.session import current_session
+
+    session = current_session()
+    return session.context.attempt if session is not None else 0
+
+
+def _generation(channel: Channel, attempt: int) -> Channel:
+    """The tpu_dist group of trainer attempt `attempt` (each attempt's new processes form their own)."""
+    return dataclasses.replace(channel, generation=attempt)
+
+
+def _weight_key(attempt: int, what: str, version: int, rank: int) -> str:
+    return f"{ATTEMPT_PREFIX}{attempt}/{what}/{version}/{rank}"
+
+
+def _attempt_of(key: str) -> int | None:
+    if not key.startswith(ATTEMPT_PREFIX):
+        return None
+    return int(key[len(ATTEMPT_PREFIX) : key.index("/")])
+
+
 @dataclass(frozen=True)
 class SyncTarget:
     """What a train loop needs to send weights to the rollout engine (picklable: put it in
@@ -152,31 +187,49 @@ class SyncTarget:
         import ray
 
         rank = _rank()
+        self._check_attempt()
         if self.colocated:
             me = ray.get_runtime_context().current_actor if k == 0 else None
             ray.get(self.mailbox.put.remote(f"ready/{k}/{rank}", me))
-        return ray.get(self.get(f"batch/{k}/{rank}")[0])
+        try:  # read, not taken: a restarted trainer takes the batches after its checkpoint again
+            ref = ray.get(self.mailbox.read.remote(f"batch/{k}/{rank}", self.timeout_s))
+        except ray.exceptions.RayActorError as e:
+            raise SyncError(f"the RL run's mailbox is gone while waiting for batch {k}: the run ended") from e
+        return ray.get(ref[0])
+
+    def _check_attempt(self) -> int:
+        """This worker's trainer attempt; a restarted one (attempt > 0) cannot go on with a colocated
+        engine: it ran in the first attempt's processes."""
+        attempt = _attempt()
+        if attempt > 0 and self.colocated:
+            raise SyncError(
+                f"the trainer restarted (attempt {attempt}); an RLRun with RLConfig placement='colocated' "
+                "cannot resume with new trainer workers (its engine ran in the lost ones), so the run "
+                "ends; valid for restarts: placement='disaggregated'"
+            )
+        return attempt
 
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
         """Send this rank's part of the model's weights as update `version` and wait until the engine
         committed it (or refused it: WeightMismatchError). Call on every trainer rank. Returns bytes sent."""
         import ray
 
-        rank = _rank()
+        rank, attempt = _rank(), self._check_attempt()
         pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size)
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
+        key = _weight_key(attempt, "weights", version, rank)
         if self.channel is None:
             refs = [ray.put(p) if p else None for p in pieces]
-            ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (refs, nbytes)))
+            ray.get(self.mailbox.put.remote(key, (refs, nbytes)))
         else:  # only the metadata goes through the mailbox; the data once the driver checked it
             packed = [pack(p) for p in pieces]
             offers = [(rank, m) if m else None for m, _ in packed]
-            ray.get(self.mailbox.put.remote(f"weights/{version}/{rank}", (offers, nbytes)))
-            refused = self.get(f"go/{version}/{rank}")
+            ray.get(self.mailbox.put.remote(key, (offers, nbytes)))
+            refused = self.get(_weight_key(attempt, "go", version, rank))
             if refused is not None:
                 raise WeightMismatchError(refused)
-            member(self.channel, rank).send_all([f for _, f in packed])
-        error = self.get(f"ack/{version}/{rank}")
+            member(_generation(self.channel, attempt), rank).send_all([f for _, f in packed])
+        error = self.get(_weight_key(attempt, "ack", version, rank))
         if error is not None:
             raise WeightMismatchError(error)
         return sum(nbytes)
@@ -205,26 +258,61 @@ def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> 
 # -- the driver's side ----------------------------------------------------------------------------------
 class _Mailbox:
     """A key -> value store whose `take` waits for the key (an async Ray actor; values may hold
-    ObjectRefs, which stay borrowed until taken)."""
+    ObjectRefs, which stay borrowed until taken). Keys `attempt{n}/...` belong to trainer attempt n:
+    once attempt n puts one, an older attempt's entries are dropped and its late ones ignored."""
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
         self.events: dict[str, asyncio.Event] = {}
+        self.attempt = 0  # the newest trainer attempt that put a key
+        self.changed = asyncio.Event()  # set on every put (wakes `take_update`)
 
     def _event(self, key: str) -> asyncio.Event:
         return self.events.setdefault(key, asyncio.Event())
 
     async def put(self, key: str, value: Any) -> None:
+        attempt = _attempt_of(key)
+        if attempt is not None and attempt < self.attempt:
+            return  # from the ranks of a trainer attempt that was replaced
+        if attempt is not None and attempt > self.attempt:
+            self.attempt = attempt
+            for old in [k for k in self.values if _attempt_of(k) not in (None, attempt)]:
+                del self.values[old]
+                self.events.pop(old, None)
         self.values[key] = value
         self._event(key).set()
+        self.changed.set()
 
-    async def take(self, key: str, timeout_s: float) -> Any:
+    async def _wait(self, key: str, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self._event(key).wait(), timeout_s)
         except TimeoutError:
             raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s}s") from None
+
+    async def take(self, key: str, timeout_s: float) -> Any:
+        await self._wait(key, timeout_s)
         self.events.pop(key, None)
         return self.values.pop(key)
+
+    async def read(self, key: str, timeout_s: float) -> Any:
+        """Like `take`, but the value stays (batches: a restarted trainer takes them again)."""
+        await self._wait(key, timeout_s)
+        return self.values[key]
+
+    async def take_update(self, world_size: int) -> tuple[int, int, list[Any]]:
+        """(attempt, version, each rank's `weights` entry): the lowest version every rank of the newest
+        trainer attempt has sent, once there is one."""
+        while True:
+            prefix = f"{ATTEMPT_PREFIX}{self.attempt}/weights/"
+            versions = {int(k[len(prefix) :].split("/")[0]) for k in self.values if k.startswith(prefix)}
+            for v in sorted(versions):
+                keys = [f"{prefix}{v}/{r}" for r in range(world_size)]
+                if all(k in self.values for k in keys):
+                    for k in keys:
+                        self.events.pop(k, None)
+                    return self.attempt, v, [self.values.pop(k) for k in keys]
+            self.changed.clear()
+            await self.changed.wait()
 
 
 class WeightSync:
@@ -257,25 +345,32 @@ class WeightSync:
 
         ray.get(self.mailbox.put.remote(key, value))
 
-    def receive(self, version: int, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
-        """Wait for update `version` from every trainer rank; `alive()` is called while waiting and
-        raises when the trainer run ended (so a dead trainer does not hang the driver)."""
+    def receive(self, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
+        """Wait for the next update every rank of the newest trainer attempt sent (its `version`: the
+        next one, or after a trainer restart one the engine may already hold); `alive()` is called while
+        waiting and raises when the trainer run ended (so a dead trainer does not hang the driver)."""
+        import ray
+
+        pending = self.mailbox.take_update.remote(self.world_size)
+        while not ray.wait([pending], timeout=POLL_S)[0]:
+            alive()
+        attempt, version, sent_by_rank = ray.get(pending)
         tp = self.target.tensor_parallel_size
         refs: list[list[Any]] = [[] for _ in range(tp)]
         nbytes = [0] * tp
-        for sent, sizes in self._take_all(f"weights/{version}", alive):
+        for sent, sizes in sent_by_rank:
             for r in range(tp):
                 if sent[r] is not None:
                     refs[r].append(sent[r])
                     nbytes[r] += sizes[r]
-        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), self.target.channel)
+        channel = self.target.channel
+        channel = _generation(channel, attempt) if channel is not None else None
+        return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), channel, version, attempt)
 
-    def release(self, update: TrainerUpdate, version: int, config: Mapping[str, Any]) -> None:
+    def release(self, update: TrainerUpdate, config: Mapping[str, Any]) -> None:
         """tpu_dist: check the offered pieces' names and shapes against the engine's model (`config`)
         and let the trainer ranks send, or tell them why not and raise WeightMismatchError (nothing
         moved). Nothing to do for the object store (each rollout rank checks the pieces it pulled)."""
-        import ray
-
         if update.channel is None:
             return
         error: str | None = None
@@ -283,7 +378,7 @@ class WeightSync:
             check_metas([[m for _, m in offers] for offers in update.refs], config)
         except WeightMismatchError as e:
             error = str(e)
-        ray.get([self.mailbox.put.remote(f"go/{version}/{r}", error) for r in range(self.world_size)])
+        self._to_ranks(update, "go", error)
         if error is not None:
             raise WeightMismatchError(error)
 
@@ -303,11 +398,15 @@ class WeightSync:
                 return list(ray.get(pending))
             alive()
 
-    def ack(self, version: int, error: str | None = None) -> None:
-        """Tell every trainer rank that update `version` was committed (or refused, with `error`)."""
+    def ack(self, update: TrainerUpdate, error: str | None = None) -> None:
+        """Tell every trainer rank that `update` was committed (or refused, with `error`)."""
+        self._to_ranks(update, "ack", error)
+
+    def _to_ranks(self, update: TrainerUpdate, what: str, error: str | None) -> None:
         import ray
 
-        ray.get([self.mailbox.put.remote(f"ack/{version}/{r}", error) for r in range(self.world_size)])
+        keys = [_weight_key(update.attempt, what, update.version, r) for r in range(self.world_size)]
+        ray.get([self.mailbox.put.remote(key, error) for key in keys])
 
     def shutdown(self) -> None:
         """Kill the mailbox: a trainer rank waiting on it gets SyncError (its run ends)."""
