@@ -93,12 +93,13 @@ def test_colocated_run_and_failures(
     _no_group_left(pg_leak_check)
 
 
-@pytest.mark.parametrize("sync", ["object_store", "tpu_dist"])
 def test_trainer_worker_killed_restarts_from_its_checkpoint(
-    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, sync
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):
-    """Disaggregated with FailureConfig(max_failures=1), over either transport (tpu_dist: the new attempt
-    forms a new group with the engine's workers): a trainer worker killed
+    """Disaggregated with FailureConfig(max_failures=1), over tpu_dist (the new attempt forms a new group
+    with the engine's workers; the attempt-tagged updates and kept batches it checks are the same for
+    "object_store", which passes this test too: one transport here, for the suite's time): a trainer
+    worker killed
     (ray.kill) after sending update 2 and before checkpointing it restarts the trainer's worker group
     (tpuray.train's fault tolerance); the new attempt resumes from checkpoint 0 at iteration 1, takes
     batch 1 again and re-sends update 2, which the engine loads again over the lost attempt's, and the
@@ -106,12 +107,12 @@ def test_trainer_worker_killed_restarts_from_its_checkpoint(
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
 
     rl = RLRun(
-        RLConfig(slice_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), weight_sync=sync),
+        RLConfig(slice_rollout_config(tiny_models[0]), ScalingConfig(**SCALING), weight_sync="tpu_dist"),
         _rl_loops.restart_loop,
         train_loop_config={"path": tiny_models[1], "kill_at": 1},
         run_config=RunConfig(
             storage_path=f"file://{tmp_path}",
-            name=f"restart-{sync}",
+            name="restart",
             failure_config=FailureConfig(max_failures=1),
         ),
     )
