@@ -55,11 +55,12 @@ HEAVY_MODULES = frozenset(
         "train/test_ray_train.py",
         "train/test_data.py",
         "emulator/test_autoscale.py",
+        "slices/test_layouts.py",  # light, but its 4x4 layout is then the one test_data's and Ray Train's use
     }
 )
-# modules with layout-swapping tests (cluster_manager without emulated_cluster): one unit, run last, so
-# that a worker swaps its cluster's layout as few times as it can
-SWAPPING_MODULES = frozenset({"slices/test_layouts.py", "serve/test_model_source.py"})
+# other modules with layout-swapping tests (cluster_manager without emulated_cluster): one unit, given out
+# last, so that a worker swaps its cluster's layout as few times as it can
+SWAPPING_MODULES = frozenset({"serve/test_model_source.py"})
 DEFAULT_LAYOUT: tuple[SliceRequest, ...] = (SliceRequest("TPU-V6E", "2x2", count=2),)
 TEST_NAMESPACE = "tpuray-tests"
 
