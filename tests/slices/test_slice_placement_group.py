@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -145,6 +146,40 @@ def test_bad_input_raises_before_reserving(emulated_cluster, pg_leak_check, kwar
     with pytest.raises(ValueError, match=match):
         SlicePlacementGroup(**kwargs)
     assert len(ray.util.placement_group_table()) == before  # nothing was even created
+
+
+def test_a_slice_freed_while_waiting_is_taken(emulated_cluster, pg_leak_check) -> None:
+    """Slice A's chips held by a plain placement group (its head resource free), slice B reserved: a new
+    reservation's head can only land on A, where its bundles cannot be placed. Once B is released the
+    reservation takes B (it looks again every SETTLE_S) instead of waiting out its timeout on A."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    a, b = (s.name for s in emulated_cluster.slices)
+    hog = placement_group([{"TPU": 4, a: 0.01}])  # A's chips, not A's head
+    ray.get(hog.ready(), timeout=120)
+    held = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
+    out: dict = {}
+
+    def reserve() -> None:
+        try:
+            out["spg"] = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out["error"] = e
+
+    try:
+        assert held.slice_names == [b]
+        thread = threading.Thread(target=reserve)
+        thread.start()
+        time.sleep(3)  # orders the events (its head on A first), asserts no timing
+        held.shutdown()
+        thread.join(120)
+        assert "error" not in out, out.get("error")
+        assert out["spg"].slice_names == [b]
+    finally:
+        if "spg" in out:
+            out["spg"].shutdown()
+        held.shutdown()
+        remove_placement_group(hog)
 
 
 def test_prefers_a_fully_free_slice(emulated_cluster, pg_leak_check) -> None:

@@ -47,6 +47,12 @@ def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> li
     return same
 
 
+SETTLE_S = (
+    2.0  # how long bundles may wait on a slice whose chips others hold before the reservation looks again
+)
+RETRY_PAUSE_S = 0.2
+
+
 class SliceReservationTimeout(TimeoutError):
     """No free slice(s) within the timeout. Nothing stays reserved."""
 
@@ -126,6 +132,8 @@ class SlicePlacementGroup:
         self._timeout_s = timeout_s
         self._head_timeout_s = head_reservation_timeout_s  # Ray's meaning: the wait for the head(s)
         self._slice_names: list[str] = []
+        self._head_nodes: list[str] = []  # the node of each slice's head reservation
+        self._head_resources: list[dict[str, float]] = []  # and its resources
         self._selector: list[dict[str, str]] = []
 
         import ray
@@ -146,12 +154,53 @@ class SlicePlacementGroup:
         return max(0.0, self._timeout_s - (time.monotonic() - start))
 
     def _reserve(self) -> None:
+        """Reserve, and look again while the chosen slice's chips are held by others (below)."""
+        start = time.monotonic()
+        while not self._try_reserve(start):
+            self.shutdown()  # this try's head(s) and bundles: free for the next look
+            time.sleep(RETRY_PAUSE_S)
+
+    def _try_reserve(self, start: float) -> bool:
+        """Heads, then the hosts' bundles. False when the bundles wait on a slice whose chips another
+        placement group or actor holds without its head (a head alone does not prove its hosts idle):
+        within SETTLE_S the caller releases and looks again, so that a slice freed meanwhile is taken
+        instead of waiting out the timeout on the busy one."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        idle = self._reserve_heads(start)
+        bundles, self._selector = self._host_bundles()
+        self._pg = placement_group(
+            bundles,
+            strategy=self._strategy,
+            name=self._name,
+            lifetime=self._lifetime,
+            bundle_label_selector=self._selector,
+        )
+        remaining = self._remaining(start)
+        busy = [n for n in self._slice_names if n not in idle]
+        # look again only with time left for another try; else wait the bundles out here
+        again = busy and (remaining is None or remaining > 2 * SETTLE_S)
+        waits = [w for w in (SETTLE_S if again else None, remaining) if w is not None]
+        ready, _ = ray.wait([self._pg.ready()], timeout=min(waits) if waits else None)
+        if ready:
+            logger.info("reserved %s", self)
+            return True
+        if self._remaining(start) == 0:
+            self._fail(
+                f"slice head(s) {self._slice_names} reserved, but their hosts' bundles could not be placed"
+            )
+        logger.info("slice(s) %s have chips held by others: looking again", busy)
+        return False
+
+    def _reserve_heads(self, start: float) -> list[str]:
+        """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
+        chips are all free; sets `_slice_names`. Returns the names of the slices that were idle."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
-        topo, start = self._topology, time.monotonic()
+        topo = self._topology
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-        # Prefer slices whose chips are all free: a head alone does not prove its hosts are idle.
         same = check_slices_can_be_reserved(topo, self._num_slices)
         idle = [s.name for s in same if s.idle and s.intact and not s.draining]
         if len(idle) >= self._num_slices:
@@ -176,39 +225,29 @@ class SlicePlacementGroup:
             if self._head_timeout_s is not None and head_wait == self._head_timeout_s:
                 bound = f" within head_reservation_timeout_s={self._head_timeout_s}s"
             self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved{bound}")
-
-        node_of = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
+        self._head_nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
         nodes = {n["NodeID"]: n for n in ray.nodes()}
-        self._slice_names = [(nodes[node_id].get("Labels") or {})[SLICE_NAME_LABEL] for node_id in node_of]
+        self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in self._head_nodes]
+        self._head_resources = [nodes[n].get("Resources") or {} for n in self._head_nodes]
+        return idle
 
+    def _host_bundles(self) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
+        """Bundles and label selectors of every host of the reserved slices, slice-major by worker id."""
         bundles: list[dict[str, float]] = []
         selector: list[dict[str, str]] = []
-        for slice_name, node_id in zip(self._slice_names, node_of, strict=True):
+        for slice_name, resources in zip(self._slice_names, self._head_resources, strict=True):
             bundle = dict(self._bundle)
             # Ray gives every host of a slice a resource named after it (TPU_NAME): asking for a sliver of it
             # says "this slice" in resources too, which Ray's autoscaler reads (it drops label selectors).
             # A bundle pinned to a lost slice is then demand no node type offers: it starts no new slice.
-            if (nodes[node_id].get("Resources") or {}).get(slice_name):
+            if resources.get(slice_name):
                 bundle[slice_name] = SLICE_RESOURCE_SHARE
-            for worker in range(topo.num_hosts):
+            for worker in range(self._topology.num_hosts):
                 for _ in range(self._bundles_per_host):
                     user = self._user_selector[len(selector)]
                     selector.append({**user, SLICE_NAME_LABEL: slice_name, WORKER_ID_LABEL: str(worker)})
                     bundles.append(dict(bundle))
-        self._selector = selector
-        self._pg = placement_group(
-            bundles,
-            strategy=self._strategy,
-            name=self._name,
-            lifetime=self._lifetime,
-            bundle_label_selector=selector,
-        )
-        ready, _ = ray.wait([self._pg.ready()], timeout=self._remaining(start))
-        if not ready:
-            self._fail(
-                f"slice head(s) {self._slice_names} reserved, but their hosts' bundles could not be placed"
-            )
-        logger.info("reserved %s", self)
+        return bundles, selector
 
     def _fail(self, what: str) -> None:
         topo = self._topology
