@@ -158,8 +158,12 @@ def _generation(channel: Channel, attempt: int) -> Channel:
     return dataclasses.replace(channel, generation=attempt)
 
 
+def _weight_prefix(attempt: int, what: str) -> str:
+    return f"{ATTEMPT_PREFIX}{attempt}/{what}/"
+
+
 def _weight_key(attempt: int, what: str, version: int, rank: int) -> str:
-    return f"{ATTEMPT_PREFIX}{attempt}/{what}/{version}/{rank}"
+    return f"{_weight_prefix(attempt, what)}{version}/{rank}"
 
 
 def _attempt_of(key: str) -> int | None:
@@ -303,10 +307,10 @@ class _Mailbox:
         """(attempt, version, each rank's `weights` entry): the lowest version every rank of the newest
         trainer attempt has sent, once there is one."""
         while True:
-            prefix = f"{ATTEMPT_PREFIX}{self.attempt}/weights/"
+            prefix = _weight_prefix(self.attempt, "weights")
             versions = {int(k[len(prefix) :].split("/")[0]) for k in self.values if k.startswith(prefix)}
             for v in sorted(versions):
-                keys = [f"{prefix}{v}/{r}" for r in range(world_size)]
+                keys = [_weight_key(self.attempt, "weights", v, r) for r in range(world_size)]
                 if all(k in self.values for k in keys):
                     for k in keys:
                         self.events.pop(k, None)

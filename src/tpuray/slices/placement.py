@@ -132,8 +132,6 @@ class SlicePlacementGroup:
         self._timeout_s = timeout_s
         self._head_timeout_s = head_reservation_timeout_s  # Ray's meaning: the wait for the head(s)
         self._slice_names: list[str] = []
-        self._head_nodes: list[str] = []  # the node of each slice's head reservation
-        self._head_resources: list[dict[str, float]] = []  # and its resources
         self._selector: list[dict[str, str]] = []
 
         import ray
@@ -168,8 +166,8 @@ class SlicePlacementGroup:
         import ray
         from ray.util.placement_group import placement_group
 
-        idle = self._reserve_heads(start)
-        bundles, self._selector = self._host_bundles()
+        idle, head_resources = self._reserve_heads(start)
+        bundles, self._selector = self._host_bundles(head_resources)
         self._pg = placement_group(
             bundles,
             strategy=self._strategy,
@@ -193,9 +191,10 @@ class SlicePlacementGroup:
         logger.info("slice(s) %s have chips held by others: looking again", busy)
         return False
 
-    def _reserve_heads(self, start: float) -> list[str]:
+    def _reserve_heads(self, start: float) -> tuple[list[str], list[dict[str, float]]]:
         """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
-        chips are all free; sets `_slice_names`. Returns the names of the slices that were idle."""
+        chips are all free; sets `_slice_names`. Returns the names of the slices that were idle and the
+        resources of each reserved slice's head node."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
@@ -225,17 +224,18 @@ class SlicePlacementGroup:
             if self._head_timeout_s is not None and head_wait == self._head_timeout_s:
                 bound = f" within head_reservation_timeout_s={self._head_timeout_s}s"
             self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved{bound}")
-        self._head_nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
+        head_nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
         nodes = {n["NodeID"]: n for n in ray.nodes()}
-        self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in self._head_nodes]
-        self._head_resources = [nodes[n].get("Resources") or {} for n in self._head_nodes]
-        return idle
+        self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in head_nodes]
+        return idle, [nodes[n].get("Resources") or {} for n in head_nodes]
 
-    def _host_bundles(self) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
+    def _host_bundles(
+        self, head_resources: list[dict[str, float]]
+    ) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
         """Bundles and label selectors of every host of the reserved slices, slice-major by worker id."""
         bundles: list[dict[str, float]] = []
         selector: list[dict[str, str]] = []
-        for slice_name, resources in zip(self._slice_names, self._head_resources, strict=True):
+        for slice_name, resources in zip(self._slice_names, head_resources, strict=True):
             bundle = dict(self._bundle)
             # Ray gives every host of a slice a resource named after it (TPU_NAME): asking for a sliver of it
             # says "this slice" in resources too, which Ray's autoscaler reads (it drops label selectors).
