@@ -7,6 +7,7 @@ against a served app (test_http_fuzz.py: the embedded engine; test_vllm.py: vLLM
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -15,6 +16,7 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+EXAMPLES = int(os.environ.get("TPURAY_FUZZ_EXAMPLES", "200"))  # fuzzed requests per engine
 TIMEOUT_S = 120.0  # a fuzzed request that takes longer is a hang
 POSTS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
 REQUEST_MODELS = {

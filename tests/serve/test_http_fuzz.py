@@ -11,17 +11,15 @@ TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200)."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import jsonschema
 import pytest
-from _openapi_fuzz import REQUEST_MODELS, fuzz_app, validate
+from _openapi_fuzz import EXAMPLES, REQUEST_MODELS, fuzz_app, validate
 
 pytestmark = pytest.mark.slow  # ~1.5 min: make test-fast skips it, make test (CI) runs it
 
 AUTO = "tiny-auto"
-EXAMPLES = int(os.environ.get("TPURAY_FUZZ_EXAMPLES", "200"))
 
 
 @pytest.fixture(scope="module")
