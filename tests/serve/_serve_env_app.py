@@ -1,7 +1,8 @@
-"""Run by test_serve_env_settings.py in a fresh process whose environment sets one Ray Serve setting to 1
-(RAY_SERVE_ENABLE_DIRECT_INGRESS or RAY_SERVE_PROXY_USE_GRPC): a one-model tpuray app (the tiny model in
-the directory given) driven with the openai client (completion, stream, chat stream, unknown model).
-Prints OK and exits 0 when every check passes."""
+"""Run by test_serve_env_settings.py in a fresh process whose environment sets two Ray Serve settings to 1:
+RAY_SERVE_ENABLE_DIRECT_INGRESS (each ingress replica serves HTTP on its own port) and
+RAY_SERVE_PROXY_USE_GRPC (the proxy, which still runs, sends requests to replicas over gRPC). A one-model
+tpuray app (the tiny model in the directory given) is driven with the openai client through both doors:
+the replica's own port and the proxy's. Prints OK and exits 0 when every check passes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from ray import serve
 from tpuray.emulator import EmulatedCluster, SliceRequest
 from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
 
+SETTINGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_PROXY_USE_GRPC")
 
-def base_url(setting: str, proxy_port: int) -> str:
-    # Direct ingress: no proxy; the replica listens on a port from Ray's range starting at 30000.
-    ports = range(30000, 30100) if setting == "RAY_SERVE_ENABLE_DIRECT_INGRESS" else [proxy_port]
+
+def answering(ports: range | list[int]) -> str:
+    """The first of `ports` on 127.0.0.1 that answers /health with 200."""
     for port in ports:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
@@ -28,8 +30,29 @@ def base_url(setting: str, proxy_port: int) -> str:
     raise RuntimeError(f"no replica or proxy answered /health on {ports}")
 
 
-def main(setting: str, port: int, model_dir: str) -> None:
-    assert os.environ.get(setting) == "1", setting
+def check(url: str) -> None:
+    """Completion, stream, chat stream and an unknown model through `url`."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+    text = c.completions.create(**kw).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True))
+    assert text and streamed == text, (url, text, streamed)
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True
+    )
+    assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices), (
+        f"{url}: empty chat stream"
+    )
+    try:
+        c.completions.create(model="nope", prompt="x", max_tokens=1)
+        raise AssertionError(f"{url}: unknown model was accepted")
+    except openai.NotFoundError:
+        pass
+
+
+def main(port: int, model_dir: str) -> None:
+    for setting in SETTINGS:
+        assert os.environ.get(setting) == "1", setting
     with EmulatedCluster([SliceRequest("TPU-V6E", "1x1")], head_cpus=2, connect=True):
         config = LLMConfig(
             model_loading_config={"model_id": "tiny", "model_source": model_dir},
@@ -39,32 +62,16 @@ def main(setting: str, port: int, model_dir: str) -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="env-setting")
         try:
-            c = openai.OpenAI(
-                base_url=base_url(setting, port) + "/v1", api_key="unused", max_retries=0, timeout=60
-            )
-            kw = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
-            text = c.completions.create(**kw).choices[0].text
-            streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True))
-            assert text and streamed == text, (text, streamed)
-            chat = c.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "Hi"}],
-                max_tokens=4,
-                temperature=0,
-                stream=True,
-            )
-            assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices), (
-                "empty chat stream"
-            )
-            try:
-                c.completions.create(model="nope", prompt="x", max_tokens=1)
-                raise AssertionError("unknown model was accepted")
-            except openai.NotFoundError:
-                pass
+            direct = answering(range(30000, 30100))  # direct ingress: Ray's replica ports start at 30000
+            check(direct)
+            print("direct ingress OK:", direct)
+            proxy = answering([port])  # the proxy, talking to the replica over gRPC
+            check(proxy)
+            print("proxy over gRPC OK:", proxy)
         finally:
             serve.shutdown()
     print("OK")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2])

@@ -37,6 +37,13 @@ def _dump_env(out_dir: str, extra: dict) -> None:
         json.dump(doc, f)
 
 
+def _write_marker(path: str, text: str) -> None:
+    """Write `text` to `path` at once (a rename): a test polling for the file never reads it empty."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def _resumed(key: str) -> int:
     """`key` from state.pt of the checkpoint this attempt was restored from, else 0."""
     restored = train.get_checkpoint()
@@ -86,8 +93,7 @@ def resumable_loop(config: dict) -> None:
             }
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         if ctx.get_attempt() == 0 and epoch + 1 == config["kill_after"] and ctx.get_world_rank() == 0:
-            with open(config["marker"], "w") as f:
-                f.write(__import__("ray").get_runtime_context().get_node_id())
+            _write_marker(config["marker"], __import__("ray").get_runtime_context().get_node_id())
             deadline = time.monotonic() + config.get("wait_s", 300)
             while time.monotonic() < deadline:  # the test kills this host meanwhile
                 time.sleep(0.5)
@@ -194,5 +200,4 @@ def preemptible_loop(config: dict) -> None:
         else:
             train.report(metrics)
         if ctx.get_attempt() == 0 and step + 1 == config.get("signal_at") and ctx.get_world_rank() == 0:
-            with open(config["marker"], "w") as f:
-                f.write(metrics["node_id"])
+            _write_marker(config["marker"], metrics["node_id"])

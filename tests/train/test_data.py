@@ -89,53 +89,39 @@ def _assert_each_row_once(ranks: list[dict], n: int, epochs: int) -> None:
         assert sorted(seen) == list(range(n)), f"epoch {epoch}: rows missing or repeated"
 
 
-def test_split_every_row_once_per_epoch_on_2x2(emulated_cluster, pg_leak_check, tmp_path) -> None:
-    """4 workers, 2 epochs: every row of "train" exactly once per epoch across the ranks, in equal shards,
-    as torch tensors on the tpu device by default; "val" (not split) whole on every rank; map_batches ran
-    on the CPU head only (not on the TPU hosts, which have CPUs too); no split coordinator left."""
+def test_split_every_row_once_per_epoch_on_2x2_and_again_after_a_restart(
+    emulated_cluster, pg_leak_check, tmp_path
+) -> None:
+    """4 workers, 2 epochs, and rank 1's process dies mid-epoch on the first attempt: the restarted attempt
+    gets a fresh split, so every row of "train" comes exactly once per epoch across its ranks, in equal
+    shards, as torch tensors on the tpu device by default; "val" (not split) whole on every rank;
+    map_batches ran on the CPU head only (not on the TPU hosts, which have CPUs too); no split coordinator
+    of either attempt left."""
     nodes = tmp_path / "nodes"
     coordinators_before = _alive_split_coordinators()
     trainer = TorchTrainer(
         _data_loops.shard_loop,
-        train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "val": True},
+        train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "val": True, "crash_rank": 1},
         scaling_config=ScalingConfig(num_workers=4, **TPU_2X2),
-        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="data2x2", verbose=0),
+        run_config=RunConfig(
+            storage_path=str(tmp_path / "results"),
+            name="data2x2",
+            failure_config=FailureConfig(max_failures=1),
+            verbose=0,
+        ),
         datasets={"train": _tagged(64, nodes), "val": _tagged(10, nodes, blocks=2)},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     result = trainer.fit()
-    assert result.error is None
-    assert [m["epoch"] for m in result.metrics_history] == [1, 2]
-    ranks = _ranks(tmp_path)
+    assert result.num_failures == 1 and result.error is None
+    # no checkpoint: both epochs again, and only the attempt that finished is in the history
+    assert [(m["epoch"], m["attempt"]) for m in result.metrics_history] == [(1, 1), (2, 1)]
+    ranks = _ranks(tmp_path, attempt=1)
     assert len(ranks) == 4
     _assert_each_row_once(ranks, 64, 2)
     assert all(r["devices"] == ["tpu"] and r["is_data_iterator"] for r in ranks)
     assert all(r["val"] == list(range(10)) for r in ranks)  # not split: every worker gets all of it
     assert _map_nodes(nodes) == {_head_node_id()}
-    _assert_no_new_coordinators(coordinators_before)
-
-
-def test_restart_recreates_the_split(emulated_cluster, pg_leak_check, tmp_path) -> None:
-    """A worker process dies mid-epoch (2 CPU workers): the restarted attempt gets a fresh split (every
-    row once per epoch again) and the first attempt's coordinator is gone."""
-    nodes = tmp_path / "nodes"
-    coordinators_before = _alive_split_coordinators()
-    trainer = TorchTrainer(
-        _data_loops.shard_loop,
-        train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "crash_rank": 1},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(
-            storage_path=str(tmp_path / "results"),
-            name="data-restart",
-            failure_config=FailureConfig(max_failures=1),
-            verbose=0,
-        ),
-        datasets={"train": _tagged(48, nodes)},
-    )
-    result = trainer.fit()
-    assert result.num_failures == 1 and result.error is None
-    assert [m["attempt"] for m in result.metrics_history] == [1, 1]  # no checkpoint: both epochs again
-    _assert_each_row_once(_ranks(tmp_path, attempt=1), 48, 2)
     _assert_no_new_coordinators(coordinators_before)
 
 

@@ -37,14 +37,17 @@ def _fit_with_preemption(cluster, tmp_path, failure_config: FailureConfig, notic
     seen: dict = {}
 
     def preempt() -> None:
-        while not marker.exists():
+        while not (marker.exists() and marker.read_text()):
             if seen.get("stop"):
                 return
             time.sleep(0.05)
-        node_id = marker.read_text()
-        name = next(sl.name for sl in cluster.slices if node_id in sl.node_ids)
-        seen["t"] = time.time()
-        seen["preemption"] = cluster.preempt_slice(name, notice_s=notice_s)
+        try:
+            node_id = marker.read_text()
+            name = next(sl.name for sl in cluster.slices if node_id in sl.node_ids)
+            seen["t"] = time.time()
+            seen["preemption"] = cluster.preempt_slice(name, notice_s=notice_s)
+        except Exception as exc:  # reported by the assertion below, not lost in a thread
+            seen["error"] = f"{type(exc).__name__}: {exc} (slices: {cluster.slices})"
 
     thread = threading.Thread(target=preempt, daemon=True)
     thread.start()
@@ -58,8 +61,18 @@ def _fit_with_preemption(cluster, tmp_path, failure_config: FailureConfig, notic
         thread.join()
         if "preemption" in seen:
             seen["preemption"].restore()  # GKE's node pool brings the slice back
-    assert "preemption" in seen, "the slice was never preempted"
+    assert "preemption" in seen, f"the slice was never preempted: {seen.get('error')}; {_summary(outcome)}"
     return outcome, seen["preemption"], seen["t"]
+
+
+def _summary(outcome) -> str:
+    """What the run did (for an assertion's message): its error, counts and each attempt's steps."""
+    result = getattr(outcome, "result", outcome)
+    steps: dict = {}
+    for m in getattr(result, "metrics_history", None) or []:
+        steps.setdefault(m["attempt"], []).append(m["step"])
+    counts = {k: getattr(result, k, None) for k in ("num_failures", "num_preemptions", "error")}
+    return f"fit gave {type(outcome).__name__} {counts}, steps per attempt {steps}"
 
 
 def test_preempted_slice_checkpoints_and_resumes_on_spare_slice(emulated_cluster, pg_leak_check, tmp_path):
