@@ -1,6 +1,7 @@
 """Malformed or unusual input (issue 22, items 4 and 5), in this process: the JSON bounds of the router
 (size, nesting) on real bytes, and the embedded engine's answers to the requests both engines must answer
-alike (_bad_requests.py; test_vllm.py sends the same list to vLLM, test_serve_openai.py over HTTP)."""
+alike (_bad_requests.py; test_vllm.py sends the same list to vLLM, test_http_fuzz.py over HTTP to the
+embedded engine, with malformed bodies)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import asyncio
 import json
 import time
 
-import httpx
 import pytest
-from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, ascii_json, body
+from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -163,72 +163,6 @@ def test_a_huge_prompt_is_refused_fast_and_does_not_stall_others(server):
     # a long prompt that may fit is tokenized in a worker thread (and then refused on its token count)
     e = answer(server, "completions", {"prompt": "ab" * (server.max_prompt_chars // 2)})
     assert isinstance(e, OpenAIError) and e.code == "context_length_exceeded"
-
-
-# -- over HTTP: a one-model app of the embedded engine on CPU ---------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def app(serve_url, tiny_model_dir):
-    from ray import serve
-
-    from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-
-    config = LLMConfig(
-        model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
-        llm_engine="embedded",
-        engine_kwargs={"max_model_len": 128, "max_num_seqs": 4},
-    )
-    try:  # on the directory's shared Serve instance (tests/serve/conftest.py)
-        serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="bad-input", route_prefix="/")
-        yield serve_url
-    finally:
-        serve.delete("bad-input")
-
-
-ROUTES = {
-    "completions": "/v1/completions",
-    "chat": "/v1/chat/completions",
-    "tokenize": "/tokenize",
-    "detokenize": "/detokenize",
-}
-JSON = {"Content-Type": "application/json"}
-
-
-def test_http_answers_of_both_engines(app):
-    """The same list test_vllm.py sends to vLLM: 400s naming the param (streamed too), 200s."""
-    with httpx.Client(base_url=app, headers=JSON, timeout=120) as http:
-        for endpoint, fields, param in BAD_ON_BOTH:
-            for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
-                req = body("tiny", endpoint, fields) | ({"stream": True} if stream else {})
-                r = http.post(ROUTES[endpoint], content=ascii_json(req))
-                assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
-        for endpoint, fields in OK_ON_BOTH:
-            r = http.post(ROUTES[endpoint], content=ascii_json(body("tiny", endpoint, fields)))
-            assert r.status_code == 200, (fields, r.text)
-
-
-def test_http_malformed_bodies_are_400s_and_large_ones_413s_without_stalling_others(app):
-    async def go() -> None:
-        async with httpx.AsyncClient(base_url=app, headers=JSON, timeout=120) as http:
-            for raw in (b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100_000):
-                r = await http.post("/v1/completions", content=raw)
-                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-            r = await http.post("/tokenize", content=b'{"prompt": "\xff\xfe"}')  # not UTF-8
-            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-            ok = body("tiny", "completions", {})
-            small = [http.post("/v1/completions", json=ok) for _ in range(4)]
-            huge = {"model": "tiny", "prompt": "x" * 10_000_000}
-            start = time.perf_counter()
-            results = await asyncio.gather(http.post("/v1/completions", json=huge), *small)
-            assert results[0].status_code == 413 and results[0].json()["error"]["code"] == "request_too_large"
-            assert all(r.status_code == 200 for r in results[1:])
-            assert time.perf_counter() - start < 10
-            big = {"model": "tiny", "prompt": "a b " * 1_000_000}  # under the byte limit: refused unencoded
-            r = await http.post("/v1/completions", json=big)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-
-    _run(go())
 
 
 # -- fuzz: whatever the JSON, the answer is a response or an OpenAIError (never another exception) ----------

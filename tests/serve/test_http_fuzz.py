@@ -6,15 +6,20 @@ under fuzzing driven by that document (issue 22, item 6):
   vLLM's start-up once for both.
 Every fuzzed request gets an answer below 500 within its timeout, a documented response (validated against
 the document's schema with jsonschema), and the model answers a normal request afterwards.
-TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200)."""
+TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200).
+The same app answers the malformed and unusual requests of issue 22, item 5 over HTTP (test_bad_input.py
+checks the rest of them in process)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
 import pytest
+from _bad_requests import BAD_ON_BOTH, OK_ON_BOTH, ascii_json, body
 from _openapi_fuzz import EXAMPLES, REQUEST_MODELS, fuzz_app, validate
 
 pytestmark = pytest.mark.slow  # ~1.5 min: make test-fast skips it, make test (CI) runs it
@@ -91,6 +96,54 @@ def test_fuzz_from_the_openapi_document(app, document):
     """No 5xx, no hang (each request within TIMEOUT_S), every answer as documented; then normal requests
     are served."""
     fuzz_app(app, document, AUTO, EXAMPLES)
+
+
+# -- malformed or unusual input over HTTP (issue 22, item 5), on this module's app ------------------------
+
+ROUTES = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
+JSON = {"Content-Type": "application/json"}
+
+
+def test_http_answers_of_both_engines(app):
+    """The embedded engine answers the list test_vllm.py sends to vLLM alike (_bad_requests.py): 400s
+    naming the param (streamed too), 200s."""
+    with httpx.Client(base_url=app, headers=JSON, timeout=120) as http:
+        for endpoint, fields, param in BAD_ON_BOTH:
+            for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
+                req = body(AUTO, endpoint, fields) | ({"stream": True} if stream else {})
+                r = http.post(ROUTES[endpoint], content=ascii_json(req))
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        for endpoint, fields in OK_ON_BOTH:
+            r = http.post(ROUTES[endpoint], content=ascii_json(body(AUTO, endpoint, fields)))
+            assert r.status_code == 200, (fields, r.text)
+
+
+def test_http_malformed_bodies_are_400s_and_large_ones_413s_without_stalling_others(app):
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=app, headers=JSON, timeout=120) as http:
+            for raw in (b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100_000):
+                r = await http.post("/v1/completions", content=raw)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+            r = await http.post("/tokenize", content=b'{"prompt": "\xff\xfe"}')  # not UTF-8
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+            ok = body(AUTO, "completions", {})
+            small = [http.post("/v1/completions", json=ok) for _ in range(4)]
+            huge = {"model": AUTO, "prompt": "x" * 10_000_000}
+            start = time.perf_counter()
+            results = await asyncio.gather(http.post("/v1/completions", json=huge), *small)
+            assert results[0].status_code == 413 and results[0].json()["error"]["code"] == "request_too_large"
+            assert all(r.status_code == 200 for r in results[1:])
+            assert time.perf_counter() - start < 10
+            big = {"model": AUTO, "prompt": "a b " * 1_000_000}  # under the byte limit: refused unencoded
+            r = await http.post("/v1/completions", json=big)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+    asyncio.run(go())
 
 
 def test_fastapi_validation_errors_are_openai_400s_naming_the_param():
