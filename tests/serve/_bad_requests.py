@@ -5,6 +5,7 @@ Bodies go out as JSON text with ASCII escapes, so a lone surrogate travels as `\
 from __future__ import annotations
 
 import json
+from typing import Any
 
 MSG = [{"role": "user", "content": "x"}]
 FIVE = ["a", "b", "c", "d", "e"]
@@ -65,3 +66,24 @@ def body(model: str, endpoint: str, fields: dict) -> dict:
 
 def ascii_json(obj: dict) -> bytes:
     return json.dumps(obj).encode()
+
+
+ROUTES = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
+
+
+def check_answers_alike(http: Any, model: str) -> None:
+    """Send BAD_ON_BOTH (streamed too where the endpoint streams) and OK_ON_BOTH to `model` through `http`
+    (an httpx.Client on the app): each bad request a 400 naming its param, each good one a 200."""
+    for endpoint, fields, param in BAD_ON_BOTH:
+        for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
+            req = body(model, endpoint, fields) | ({"stream": True} if stream else {})
+            r = http.post(ROUTES[endpoint], content=ascii_json(req))
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+    for endpoint, fields in OK_ON_BOTH:
+        r = http.post(ROUTES[endpoint], content=ascii_json(body(model, endpoint, fields)))
+        assert r.status_code == 200, (fields, r.text)

@@ -19,7 +19,7 @@ import time
 import httpx
 import jsonschema
 import pytest
-from _bad_requests import BAD_ON_BOTH, OK_ON_BOTH, ascii_json, body
+from _bad_requests import body, check_answers_alike
 from _openapi_fuzz import EXAMPLES, REQUEST_MODELS, fuzz_app, validate
 
 pytestmark = pytest.mark.slow  # ~1.5 min: make test-fast skips it, make test (CI) runs it
@@ -100,12 +100,6 @@ def test_fuzz_from_the_openapi_document(app, document):
 
 # -- malformed or unusual input over HTTP (issue 22, item 5), on this module's app ------------------------
 
-ROUTES = {
-    "completions": "/v1/completions",
-    "chat": "/v1/chat/completions",
-    "tokenize": "/tokenize",
-    "detokenize": "/detokenize",
-}
 JSON = {"Content-Type": "application/json"}
 
 
@@ -113,14 +107,7 @@ def test_http_answers_of_both_engines(app):
     """The embedded engine answers the list test_vllm.py sends to vLLM alike (_bad_requests.py): 400s
     naming the param (streamed too), 200s."""
     with httpx.Client(base_url=app, headers=JSON, timeout=120) as http:
-        for endpoint, fields, param in BAD_ON_BOTH:
-            for stream in (False, True) if endpoint in ("completions", "chat") else (False,):
-                req = body(AUTO, endpoint, fields) | ({"stream": True} if stream else {})
-                r = http.post(ROUTES[endpoint], content=ascii_json(req))
-                assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
-        for endpoint, fields in OK_ON_BOTH:
-            r = http.post(ROUTES[endpoint], content=ascii_json(body(AUTO, endpoint, fields)))
-            assert r.status_code == 200, (fields, r.text)
+        check_answers_alike(http, AUTO)
 
 
 def test_http_malformed_bodies_are_400s_and_large_ones_413s_without_stalling_others(app):

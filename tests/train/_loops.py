@@ -13,6 +13,7 @@ from torch import nn, optim
 import tpuray.train.torch as tt
 from tpuray import train
 from tpuray.train import Checkpoint
+from tpuray.train.checkpoint import write_text
 
 ENV_KEYS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -35,13 +36,6 @@ def _dump_env(out_dir: str, extra: dict) -> None:
     )
     with open(os.path.join(out_dir, f"rank{ctx.get_world_rank()}.json"), "w") as f:
         json.dump(doc, f)
-
-
-def _write_marker(path: str, text: str) -> None:
-    """Write `text` to `path` at once (a rename): a test polling for the file never reads it empty."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def _resumed(key: str) -> int:
@@ -93,7 +87,9 @@ def resumable_loop(config: dict) -> None:
             }
             train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         if ctx.get_attempt() == 0 and epoch + 1 == config["kill_after"] and ctx.get_world_rank() == 0:
-            _write_marker(config["marker"], __import__("ray").get_runtime_context().get_node_id())
+            write_text(
+                config["marker"], __import__("ray").get_runtime_context().get_node_id()
+            )  # at once: a rename
             deadline = time.monotonic() + config.get("wait_s", 300)
             while time.monotonic() < deadline:  # the test kills this host meanwhile
                 time.sleep(0.5)
@@ -200,4 +196,4 @@ def preemptible_loop(config: dict) -> None:
         else:
             train.report(metrics)
         if ctx.get_attempt() == 0 and step + 1 == config.get("signal_at") and ctx.get_world_rank() == 0:
-            _write_marker(config["marker"], metrics["node_id"])
+            write_text(config["marker"], metrics["node_id"])  # at once: a rename
