@@ -309,9 +309,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument(
         "--compile-backend",
-        default="tpu",
+        default="tpu-donate",
         help="engine on a TPU: torch.compile backend(s), comma-separated, the first is the anchor "
-        "(any torch.compile backend name; default torch_tpu's tpu)",
+        "(tpu-donate: the engine's default, the KV cache updated in place; tpu: torch_tpu's own; any "
+        "torch.compile backend name)",
     )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")

@@ -41,6 +41,7 @@ def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_mo
     cpu = ModelRunner(trained_model, **kw)
     chip = ModelRunner(trained_model, device="tpu", **kw)
     assert chip.compiled and not cpu.compiled
+    assert chip.backend == "tpu-donate"  # the KV cache updated in place (tpu_compile.py)
     built = chip.warmup()
     assert built == chip.buckets.num_programs
     prompt = list(range(5, 17))
@@ -71,3 +72,27 @@ def test_a_reused_cache_slot_gives_the_same_tokens(tpu, trained_model, highest_p
     for t in (*chip.cache.k, *chip.cache.v):  # garbage beyond the sequence: must be masked out
         t[2, len(prompt) :] = 50.0
     assert _greedy(chip, prompt, 32, slot=2) == first
+
+
+@pytest.mark.parametrize("backend", ["tpu", "tpu-donate"])
+def test_a_compiled_cache_write_is_seen_and_kept(tpu, backend):
+    """Each backend's program writes one position of a cache and reads the slot back: the read sees the
+    write, the cache keeps every call's write and nothing else changes (donated: updated in place)."""
+    import torch
+
+    from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+    def step(cache, slots, pos, k):
+        cache.index_put_((slots, pos), k)
+        return cache[slots, :8].clone()
+
+    fn = torch.compile(step, backend=lookup(backend), dynamic=False, fullgraph=True)
+    cache, slots = torch.zeros(3, 16, 2, 4, device="tpu"), torch.tensor([0], device="tpu")
+    for trial in range(3):
+        k = torch.full((1, 2, 4), float(trial + 1), device="tpu")
+        read = fn(cache, slots, torch.tensor([trial + 2], device="tpu"), k).cpu()
+        assert bool((read[0, trial + 2] == trial + 1).all())
+    want = torch.zeros(3, 16, 2, 4)
+    for trial in range(3):
+        want[0, trial + 2] = trial + 1
+    assert torch.equal(cache.cpu(), want)

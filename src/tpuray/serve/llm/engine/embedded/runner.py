@@ -59,6 +59,15 @@ def _real_tpu(device: torch.device) -> bool:
     return device.type == "tpu" and not is_emulated()
 
 
+def default_backend(device: torch.device, world_size: int) -> str:
+    """The compile backend a compiled runner uses unless told: on a real TPU "tpu-donate" (the KV cache
+    updated in place: tpu_compile.py) for one chip, torch_tpu's "tpu" under tensor parallelism (its
+    programs have collectives); "inductor" elsewhere."""
+    if device.type != "tpu":
+        return "inductor"
+    return "tpu-donate" if world_size == 1 and _real_tpu(device) else "tpu"
+
+
 def warmup_prefill(T: int, buckets: Buckets, trash_slot: int) -> PrefillPack:
     """The pack that compiles token bucket T at warm-up: one prompt of T - 1 tokens and one padding token.
 
@@ -109,12 +118,14 @@ class ModelRunner:
                 Buckets.for_engine(max_num_seqs, max_model_len, max_model_len) if padded else Buckets.exact()
             )
         self.buckets = buckets
+        self.backend: str | None = None  # the torch.compile backend, where compiled
         self.compilations = 0  # programs built by the compiler (warm-up included)
         self.warmup_s = 0.0
         self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._prefill_program
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._decode_program
         if self.compiled:
-            self._compile(compile_backend or ("tpu" if self.device.type == "tpu" else "inductor"))
+            self.backend = compile_backend or default_backend(self.device, world_size)
+            self._compile(self.backend)
 
     # -- programs -----------------------------------------------------------------------------------------
     def _prefill_program(self, packed, num_prompts: int):
@@ -135,9 +146,10 @@ class ModelRunner:
 
     def _compile(self, backend_name: str) -> None:
         from torch._dynamo import config as dynamo_config
-        from torch._dynamo.backends.registry import lookup_backend
 
-        backend = lookup_backend(backend_name)
+        from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+        backend = lookup(backend_name)
 
         def counting(gm, example_inputs, **kwargs):
             self.compilations += 1

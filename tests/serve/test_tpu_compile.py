@@ -1,0 +1,36 @@
+"""The engine's compile backends off a TPU: the donating backend needs torch_tpu and says so at
+construction; the default backend per device (the on-chip checks are tests/real_tpu/test_engine.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
+from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch_tpu") is not None,
+    reason="torch_tpu is installed: the on-chip tests cover it",
+)
+
+
+def test_donating_backend_without_torch_tpu_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ImportError, match=r"compile_backend='tpu-donate' needs torch_tpu 0\.2\.0"):
+        lookup("tpu-donate")
+    with pytest.raises(
+        ImportError, match="compile_backend='tpu-donate'"
+    ):  # at construction, not the 1st step
+        ModelRunner(
+            tiny_model_dir, max_num_seqs=2, max_model_len=32, compile=True, compile_backend="tpu-donate"
+        )
+
+
+def test_default_backend_per_device():
+    assert default_backend(torch.device("cpu"), 1) == "inductor"
+    tpu = SimpleNamespace(type="tpu")  # the device's type is all it reads; no runtime activated here
+    assert default_backend(tpu, 4) == "tpu"  # tensor parallel: programs with collectives
+    assert lookup("eager") is not None  # any Dynamo backend name passes through
