@@ -160,10 +160,9 @@ class SlicePlacementGroup:
 
     def _try_reserve(self, start: float) -> bool:
         """Heads, then the hosts' bundles. False when the bundles wait on a slice whose chips another
-        placement group or actor holds without its head (a head alone does not prove its hosts idle):
-        within SETTLE_S the caller releases and looks again, so that a slice freed meanwhile is taken
-        instead of waiting out the timeout on the busy one."""
-        import ray
+        placement group or actor holds without its head (a head alone does not prove its hosts idle)
+        while another slice of the shape has become idle: the caller releases and looks again, so that
+        the freed slice is taken instead of waiting out the timeout on the busy one."""
         from ray.util.placement_group import placement_group
 
         idle, head_resources = self._reserve_heads(start)
@@ -175,21 +174,42 @@ class SlicePlacementGroup:
             lifetime=self._lifetime,
             bundle_label_selector=self._selector,
         )
-        remaining = self._remaining(start)
         busy = [n for n in self._slice_names if n not in idle]
-        # look again only with time left for another try; else wait the bundles out here
-        again = busy and (remaining is None or remaining > 2 * SETTLE_S)
-        waits = [w for w in (SETTLE_S if again else None, remaining) if w is not None]
-        ready, _ = ray.wait([self._pg.ready()], timeout=min(waits) if waits else None)
-        if ready:
+        if self._wait_bundles(start, bool(busy)):
             logger.info("reserved %s", self)
             return True
         if self._remaining(start) == 0:
             self._fail(
                 f"slice head(s) {self._slice_names} reserved, but their hosts' bundles could not be placed"
             )
-        logger.info("slice(s) %s have chips held by others: looking again", busy)
+        logger.info("slice(s) %s have chips held by others and another slice is idle: looking again", busy)
         return False
+
+    def _wait_bundles(self, start: float, busy: bool) -> bool:
+        """Wait for the hosts' bundles (True once placed). On a busy slice, every SETTLE_S while there is
+        time for another try, check whether a slice of this shape has become idle: then False (look
+        again); otherwise keep waiting here, holding what is reserved (a new look would only release and
+        re-create the same placement groups)."""
+        import ray
+
+        while True:
+            remaining = self._remaining(start)
+            again = busy and (remaining is None or remaining > 2 * SETTLE_S)
+            waits = [w for w in (SETTLE_S if again else None, remaining) if w is not None]
+            ready, _ = ray.wait([self._pg.ready()], timeout=min(waits) if waits else None)
+            if ready:
+                return True
+            if not again or self._idle_slice_elsewhere():
+                return False
+
+    def _idle_slice_elsewhere(self) -> bool:
+        """A slice of this shape, not one of this try's, whose chips are all free now."""
+        topo = self._topology
+        return any(
+            s.idle and s.intact and not s.draining and s.name not in self._slice_names
+            for s in list_slices()
+            if s.pod_type == topo.pod_type
+        )
 
     def _reserve_heads(self, start: float) -> tuple[list[str], list[dict[str, float]]]:
         """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
