@@ -32,19 +32,20 @@ def send_loop(config: dict) -> int:
 
 def rl_loop(config: dict) -> list:
     """An RLRun's trainer: take each batch, send the loaded model's weights as the next version (rank 0
-    returns the batches it saw); raises at iteration `fail_at`; sends without tensor `drop` if given."""
+    returns the batches it saw); from iteration `drop_at` (default 0) on, sends them without tensor
+    `drop` if given."""
     rl = config["rl"]
     model = load_policy(config["path"], config["strategy"])
+    dropped = None
     if config.get("drop"):
         from tpuray.rl.sync import model_state
 
-        model = {k: v for k, v in model_state(model).items() if k != config["drop"]}
+        dropped = {k: v for k, v in model_state(model).items() if k != config["drop"]}
     seen = []
     for k in range(rl.iterations):
         seen.append(rl.batch(k))
-        if config.get("fail_at") == k:
-            raise RuntimeError(f"trainer failure injected at iteration {k}")
-        rl.send(model, version=k + 1)
+        late = dropped is not None and k >= config.get("drop_at", 0)
+        rl.send(dropped if late else model, version=k + 1)
     return seen
 
 
