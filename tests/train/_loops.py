@@ -123,22 +123,6 @@ def env_dump_then(config: dict) -> None:
     config["seed_fn"](config)
 
 
-def crashing_loop(config: dict) -> None:
-    """DDP training with a checkpoint per epoch; on the first attempt rank 1's process dies mid-run (as a
-    crashed or OOM-killed worker would) while rank 0 is in a collective with it."""
-    start = _resumed("epoch")
-    ctx = train.get_context()
-    model = tt.prepare_model(nn.Linear(4, 1))
-    for epoch in range(start, config["epochs"]):
-        if ctx.get_attempt() == 0 and epoch + 1 == config["crash_at"] and ctx.get_world_rank() == 1:
-            os._exit(1)
-        model(torch.randn(8, 4)).sum().backward()  # DDP all-reduce with the peer
-        with tempfile.TemporaryDirectory() as d:
-            torch.save({"epoch": epoch + 1}, os.path.join(d, "state.pt"))
-            ckpt = Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None
-            train.report({"epoch": epoch + 1, "attempt": ctx.get_attempt()}, checkpoint=ckpt)
-
-
 MEGASCALE_KEYS = (
     "MEGASCALE_COORDINATOR_ADDRESS",
     "MEGASCALE_PORT",

@@ -1,5 +1,7 @@
 """Slice fault tolerance: kill an emulated TPU host mid-fit; the trainer releases the slice, reserves a
-whole slice again, restarts every worker from the latest checkpoint, and reports every epoch once."""
+whole slice again, restarts every worker from the latest checkpoint, and reports every epoch once. (A
+worker process that dies while its peer waits in a collective is retried from the checkpoint too:
+tests/train/test_callbacks.py::test_on_restart_after_a_worker_crash.)"""
 
 from __future__ import annotations
 
@@ -73,19 +75,3 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
     assert {m["node_id"] for m in history[:3]} == {killed["node_id"]}
     assert all(m["node_id"] != killed["node_id"] and m["slice"] != dead_slice for m in history[3:])
     assert {m["slice"] for m in history[3:]} <= {sl.name for sl in emulated_cluster.slices}
-
-
-def test_crashed_worker_process_restarts_group(emulated_cluster, pg_leak_check, tmp_path) -> None:
-    """A worker process dying (not a Python exception) is a worker failure: retried from the checkpoint,
-    even though its peer sees it first as a collective error."""
-    trainer = TorchTrainer(
-        _loops.crashing_loop,
-        train_loop_config={"epochs": 4, "crash_at": 3},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(
-            storage_path=str(tmp_path), name="crash", failure_config=FailureConfig(max_failures=1), verbose=0
-        ),
-    )
-    result = trainer.fit()
-    assert [m["epoch"] for m in result.metrics_history] == [1, 2, 3, 4]
-    assert result.num_failures == 1 and result.metrics_history[-1]["attempt"] == 1
