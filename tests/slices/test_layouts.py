@@ -4,23 +4,12 @@ The 4x4 test comes last so that later 4x4 tests (tests/train) reuse its cluster.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 
 from tpuray import SlicePlacementGroup
 from tpuray.emulator import SliceRequest
 from tpuray.slices import SliceReservationTimeout, list_slices
-
-
-@ray.remote(num_cpus=0)
-class ChipProbe:
-    def info(self) -> dict:
-        from tpuray.isolation import apply_process_env
-
-        env = apply_process_env()
-        return {"node": ray.get_runtime_context().get_node_id(), "env": env, "os": dict(os.environ)}
 
 
 def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
@@ -69,21 +58,4 @@ def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check) -> None:
         assert spg.num_hosts == 4 and spg.slice_names == [sl.name]
         table = ray.util.placement_group_table(spg.placement_group)["bundles_to_node_id"]
         assert [table[i] for i in range(4)] == sl.node_ids  # bundles ordered by worker id
-        probes = [
-            ChipProbe.options(
-                resources={"TPU": 1}, scheduling_strategy=spg.scheduling_strategy(i // 4)
-            ).remote()
-            for i in range(16)
-        ]
-        infos = ray.get([p.info.remote() for p in probes], timeout=300)
-        for p in probes:
-            ray.kill(p)
-    ranks = sorted(int(i["env"]["CLOUD_TPU_TASK_ID"]) for i in infos)
-    assert ranks == list(range(16))  # every chip of the slice exactly once
-    for i in infos:
-        env, host_env = i["env"], i["os"]
-        assert sl.node_ids[int(env["TPU_WORKER_ID"])] == i["node"]
-        assert env["TPU_PROCESS_BOUNDS"] == "4,4,1" and env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
-        assert host_env["TPU_VISIBLE_CHIPS"] == env["TPU_VISIBLE_CHIPS"]
-        assert "TPU_HOST_BOUNDS" not in host_env  # Ray's single-host bounds dropped
-        assert host_env["TPURAY_EMULATION"] == "1"
+    # each of the 16 chips' environment on this slice: tests/train/test_data.py's 4x4 fit (16 workers)

@@ -186,7 +186,7 @@ def test_seed_sample_and_split_on_emulated_4x4(cluster_manager, pg_leak_check, t
     costs about a minute here, so one fit checks both): the seed sample (examples/train_seed.py) unchanged
     over tpu_dist with each rank's env, then Ray Data: every row exactly once per epoch, equal shards,
     map_batches on the CPU head."""
-    cluster_manager.get(SliceRequest("TPU-V6E", "4x4"), head_cpus=2)
+    (sl,) = cluster_manager.get(SliceRequest("TPU-V6E", "4x4"), head_cpus=2).slices
     ray.cloudpickle.register_pickle_by_value(_loops)
     example = load_example("train_seed.py")
     assert example.trainer.scaling_config.num_workers == 16
@@ -218,6 +218,12 @@ def test_seed_sample_and_split_on_emulated_4x4(cluster_manager, pg_leak_check, t
         assert r["LOCAL_RANK"] == r["TPU_VISIBLE_CHIPS"] == str(chip)
         assert r["WORLD_SIZE"] == "16" and r["LOCAL_WORLD_SIZE"] == "4"
         assert r["TORCH_TPU_TOPOLOGY"] and len(r["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) >= 4
+        # every chip of the slice exactly once, on the host of its worker id, with the per-chip bounds
+        assert r["CLOUD_TPU_TASK_ID"] == str(r["rank"]) and sl.node_ids[host] == r["node_id"]
+        assert r["TPU_PROCESS_BOUNDS"] == "4,4,1" and r["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+        assert (
+            r["TPU_HOST_BOUNDS"] is None and r["TPURAY_EMULATION"] == "1"
+        )  # Ray's single-host bounds dropped
     nodes_per_host: dict[str, set] = {}
     for r in envs:
         nodes_per_host.setdefault(r["node"], set()).add(r["node_id"])
