@@ -32,3 +32,22 @@ def new_placement_groups(before: set[str] | dict, timeout_s: float = 30.0) -> di
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.1)
+
+
+def read_ranks(out_dir) -> list[dict]:
+    """The rank*.json documents a train loop dumped into `out_dir` (tests/train/_loops.py), by rank."""
+    import glob
+    import json
+    import os
+
+    docs = [json.load(open(p)) for p in glob.glob(os.path.join(out_dir, "rank*.json"))]
+    return sorted(docs, key=lambda d: d["rank"])
+
+
+def alive_train_workers() -> list:
+    """The connected cluster's TrainWorker actors that are not DEAD."""
+    import ray._private.state as state
+
+    return [
+        a for a in state.actors().values() if a["State"] != "DEAD" and "TrainWorker" in a["ActorClassName"]
+    ]

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
 import _tracking_loops  # noqa: E402
 
+from _util import alive_train_workers, read_ranks  # noqa: E402
 from tpuray.optional import MissingDependency  # noqa: E402
 from tpuray.train import (  # noqa: E402
     Callback,
@@ -271,30 +272,71 @@ def test_a_raising_callback_fails_the_run_by_name(emulated_cluster, pg_leak_chec
     assert MlflowClient(uri).get_run(mlflow_cb.run_id).info.status == "FAILED"
 
 
-def test_callbacks_on_emulated_tpu_2x2(emulated_cluster, pg_leak_check, tmp_path) -> None:
+def test_seed_loop_with_callbacks_on_emulated_tpu_2x2(emulated_cluster, pg_leak_check, tmp_path) -> None:
+    """The seed loop on an emulated v6e 2x2 slice (4 workers over tpu_dist): each rank's environment, a
+    falling loss, the best two checkpoints by loss kept on disk, and the callbacks (a recorder, MLflow,
+    TensorBoard) seeing every report and checkpoint of that fit."""
+    import json
+
+    import torch
+
     from tpuray.train.torch import TorchTrainer
 
+    out = tmp_path / "env"
+    out.mkdir()
     rec, uri, tb = Recorder(), f"file://{tmp_path}/mlruns", TensorBoardLoggerCallback()
     mlflow_cb = MLflowLoggerCallback(uri)
     trainer = TorchTrainer(
         _loops.seed_loop,
-        train_loop_config={"epochs": 3, "checkpoint": True},
-        scaling_config=ScalingConfig(**TPU_2x2),
+        train_loop_config={"out_dir": str(out), "checkpoint": True, "epochs": 6},
+        scaling_config=ScalingConfig(resources_per_worker={"TPU": 1}, **TPU_2x2),
         run_config=RunConfig(
             storage_path=f"file://{tmp_path}/results",
-            name="tpu_cb",
+            name="seed",
             checkpoint_config=CheckpointConfig(
-                num_to_keep=1, checkpoint_score_attribute="loss", checkpoint_score_order="min"
+                num_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min"
             ),
             callbacks=[rec, mlflow_cb, tb],
             verbose=0,
         ),
     )
     result = trainer.fit()
-    assert rec.events[1:] == [*_expected(3), ("end", None)]
+
     losses = [m["loss"] for m in result.metrics_history]
+    assert [m["epoch"] for m in result.metrics_history] == list(range(1, 7))
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert result.metrics == result.metrics_history[-1] and result.error is None
+    assert result.return_value == "finished"
+
+    ranks = read_ranks(out)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    for r in ranks:
+        assert r["RANK"] == str(r["rank"]) and r["WORLD_SIZE"] == "4" and r["world"] == 4
+        assert (
+            r["LOCAL_RANK"] == r["TPU_VISIBLE_CHIPS"] == str(r["local"])
+        )  # TorchTPU binds it from LOCAL_RANK
+        assert r["LOCAL_WORLD_SIZE"] == "4" and r["NODE_RANK"] == "0" and r["node"] == 0
+        assert r["TORCH_TPU_TOPOLOGY"] and r["TORCH_TPU_SLICEBUILDER_ADDRESSES"]
+        assert r["TPURAY_EMULATION"] == "1" and r["device"] == "tpu"
+        assert r["model"] == "DistributedDataParallel"
+    assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in ranks}) == 1
+    assert len({r["TORCH_TPU_SLICEBUILDER_ADDRESSES"] for r in ranks}) == 1
+
+    # Checkpoints: persisted under storage/name, the best two by loss kept (the loss falls: the newest
+    # two), the result points at the last.
+    run_dir = tmp_path / "results" / "seed"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_000004", "checkpoint_000005"]
+    assert result.checkpoint.path.endswith("checkpoint_000005") and result.path.endswith("seed")
+    with result.checkpoint.as_directory() as d:
+        assert torch.load(os.path.join(d, "state.pt"))["epoch"] == 6
+    assert json.load(open(run_dir / "run_state.json"))["finished"] is True
+    best = sorted(range(6), key=lambda i: losses[i])[:2]
+    assert sorted(c.path.rsplit("/", 1)[-1] for c, _ in result.best_checkpoints) == sorted(
+        f"checkpoint_{i:06d}" for i in best
+    )
+    assert not alive_train_workers()
+
+    # Callbacks: every report and checkpoint in order; MLflow and TensorBoard have every loss.
+    assert rec.events[1:] == [*_expected(6), ("end", None)]
     assert _mlflow_history(uri, mlflow_cb.run_id, "loss") == list(enumerate(losses))
-    assert [s for s, _ in _tb_scalars(tb.writer_dir, "loss")] == [0, 1, 2]
     assert _tb_scalars(tb.writer_dir, "loss") == [(i, pytest.approx(v)) for i, v in enumerate(losses)]
-    best = min(range(3), key=lambda i: losses[i])
-    assert [c.path.rsplit("/", 1)[-1] for c, _ in result.best_checkpoints] == [f"checkpoint_{best:06d}"]
