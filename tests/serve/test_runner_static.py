@@ -147,6 +147,7 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
     try:
         runner = compiled.runner
         assert runner is not None and runner.compiled and compiled.async_scheduling
+        assert runner.backend == "eager"
         after_warmup = runner.compilations
         assert after_warmup == runner.buckets.num_programs  # every program built before serving
         got = _serve(compiled, requests)
@@ -157,6 +158,7 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
     eager = _engine(tiny_model_dir)
     try:
         assert eager.runner is not None and not eager.runner.compiled and eager.runner.compilations == 0
+        assert eager.runner.backend is None
         assert _serve(eager, requests) == got  # the same tokens, seeded sampling included
     finally:
         eager.shutdown()

@@ -50,12 +50,13 @@ class EngineWorker(SliceWorker):
         compiled = self.runner.warmup()  # before the replica reports ready: serving never compiles
         if device == "tpu":
             logger.info(
-                "engine worker rank %d/%d on tpu (%s); %d programs compiled in %.1f s",
+                "engine worker rank %d/%d on tpu (%s); %d programs compiled in %.1f s (backend %s)",
                 rank,
                 world_size,
                 mode,
                 compiled,
                 self.runner.warmup_s,
+                self.runner.backend,
             )
         import ray
 
@@ -68,6 +69,7 @@ class EngineWorker(SliceWorker):
             "pid": os.getpid(),
             "compiled_programs": self.runner.compilations,
             "compiled": self.runner.compiled,
+            "compile_backend": self.runner.backend,
         }
 
     def _loaded(self) -> ModelRunner:
