@@ -10,9 +10,12 @@ Variants (`--variants`, comma-separated):
 - `functional`: no mutation at all: the program returns the new cache, its input donated, and the caller
   keeps the returned tensor;
 - `eager`: index_put_ outside any program (torch_tpu's eager mode);
-- `read_only`: the same program without the write (the floor: launch + read back).
+- `read_only`: the same program without the write (the floor: launch + read back);
+- `layouts`: a decode step's writes alone into the engine's 1.1 GB cache, per layer (32 scatters) or
+  stacked across layers (2 scatters), donated: does a scatter cost per row (`--rows 32`)?
 
     python3 benchmarks/tpu_donate_probe.py                   # a TPU VM (. benchmarks/tpu_vm_env.sh)
+    python3 benchmarks/tpu_donate_probe.py --variants layouts --rows 32    # batch 32's writes
     python benchmarks/tpu_donate_probe.py --device cpu --variants eager,read_only
 """
 
@@ -112,6 +115,50 @@ def timed(variant: str, device: torch.device, calls: int, rows: int = 1) -> None
            median_ms=round(1e3 * steady[len(steady) // 2], 3), best_ms=round(1e3 * steady[0], 3))  # fmt: skip
 
 
+LAYERS, SLOTS, MAX_LEN, KV, D = 16, 33, 1024, 8, 64  # the 1.1B engine's cache: 1.1 GB of bf16 K and V
+
+
+def cache_layouts(device: torch.device, calls: int, rows: int) -> None:
+    """A decode step's cache writes alone, donated (`tpu-donate`), in two layouts of the same 1.1 GB:
+    `per_layer` (the engine's: one [slots, positions, heads, dim] tensor per layer for K and for V, so 32
+    scatters of `rows` rows per step) and `stacked` ([slots, positions, layers, heads, dim] for K and for
+    V: 2 scatters of `rows` windows of every layer). Does a scatter cost per row it writes?"""
+    backend = lookup("tpu-donate" if device.type == "tpu" else "eager")  # CPU: checks the script only
+
+    def per_layer(ks, vs, slots, pos, k, v):
+        for i in range(LAYERS):
+            ks[i].index_put_((slots, pos), k[:, i])
+            vs[i].index_put_((slots, pos), v[:, i])
+        return k.sum()
+
+    def stacked(kc, vc, slots, pos, k, v):
+        kc.index_put_((slots, pos), k)
+        vc.index_put_((slots, pos), v)
+        return k.sum()
+
+    slots = torch.arange(rows, device=device)
+    k = torch.ones((rows, LAYERS, KV, D), dtype=torch.bfloat16, device=device)
+    for name in ("per_layer", "stacked"):
+        if name == "per_layer":
+            shape, n = (SLOTS, MAX_LEN, KV, D), LAYERS
+        else:
+            shape, n = (SLOTS, MAX_LEN, LAYERS, KV, D), 1
+        ks = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        vs = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        fn = torch.compile(per_layer if n > 1 else stacked, backend=backend, dynamic=False, fullgraph=True)
+        args = (ks, vs) if n > 1 else (ks[0], vs[0])
+        times = []
+        for i in range(calls + 3):
+            pos = torch.full((rows,), i % 8, device=device)
+            start = time.perf_counter()
+            fn(*args, slots, pos, k, k).cpu()
+            times.append(time.perf_counter() - start)
+        steady = sorted(times[3:])
+        kept = bool((ks[0].cpu()[0, (calls + 2) % 8] == 1).all())
+        report(f"layout_{name}", rows=rows, median_ms=round(1e3 * steady[len(steady) // 2], 3), kept=kept)
+        del ks, vs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="tpu", choices=["tpu", "cpu"])
@@ -122,7 +169,14 @@ def main() -> None:
     if args.device == "tpu":
         print(json.dumps({"runtime": runtime.activate()}), flush=True)
     device = torch.device(args.device)
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    if "layouts" in variants:
+        variants.remove("layouts")
+        try:
+            cache_layouts(device, args.calls, args.rows)
+        except Exception as e:  # says why; the other variants still run
+            report("layouts", error=f"{type(e).__name__}: {e}"[:500])
+    for variant in variants:
         for probe in (check, timed):
             try:
                 probe(variant, device) if probe is check else probe(variant, device, args.calls, args.rows)
