@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 from tpuray.constants import (
     PLACEMENT_STRATEGIES,
@@ -175,21 +175,22 @@ class SlicePlacementGroup:
             bundle_label_selector=self._selector,
         )
         busy = [n for n in self._slice_names if n not in idle]
-        if self._wait_bundles(start, bool(busy)):
+        outcome = self._wait_bundles(start, bool(busy))
+        if outcome == "placed":
             logger.info("reserved %s", self)
             return True
-        if self._remaining(start) == 0:
+        if outcome == "timeout":
             self._fail(
                 f"slice head(s) {self._slice_names} reserved, but their hosts' bundles could not be placed"
             )
         logger.info("slice(s) %s have chips held by others and another slice is idle: looking again", busy)
         return False
 
-    def _wait_bundles(self, start: float, busy: bool) -> bool:
-        """Wait for the hosts' bundles (True once placed). On a busy slice, every SETTLE_S while there is
-        time for another try, check whether a slice of this shape has become idle: then False (look
-        again); otherwise keep waiting here, holding what is reserved (a new look would only release and
-        re-create the same placement groups)."""
+    def _wait_bundles(self, start: float, busy: bool) -> Literal["placed", "look_again", "timeout"]:
+        """Wait for the hosts' bundles. On a busy slice, every SETTLE_S while there is time for another
+        try, check whether a slice of this shape has become idle: then "look_again"; otherwise keep
+        waiting here, holding what is reserved (a new look would only release and re-create the same
+        placement groups). "timeout" once the time is out."""
         import ray
 
         while True:
@@ -198,9 +199,11 @@ class SlicePlacementGroup:
             waits = [w for w in (SETTLE_S if again else None, remaining) if w is not None]
             ready, _ = ray.wait([self._pg.ready()], timeout=min(waits) if waits else None)
             if ready:
-                return True
-            if not again or self._idle_slice_elsewhere():
-                return False
+                return "placed"
+            if not again:
+                return "timeout"
+            if self._idle_slice_elsewhere():
+                return "look_again"
 
     def _idle_slice_elsewhere(self) -> bool:
         """A slice of this shape, not one of this try's, whose chips are all free now."""
