@@ -148,8 +148,8 @@ def _dump_attempt_env(out_dir: str, ctx) -> None:
 def preemptible_loop(config: dict) -> None:
     """One all_reduce'd step every `step_s`, reported each step; a checkpoint every `ckpt_every` steps and
         from rank 0 when the driver asks for one (`should_checkpoint()`, after a preemption notice). Rank 0 writes
-        its node id to `marker` once it reaches `signal_at` steps on the first attempt (a list: its i-th
-        entry on attempt i, to `marker.i` for i > 0). With `env_dir`, every rank
+        its node id to `marker` once it made `signal_at` steps on the first attempt (a list: its i-th
+        entry counts the steps attempt i made since it resumed, to `marker.i` for i > 0). With `env_dir`, every rank
     dumps its MEGASCALE_* env there at the first step of each attempt."""
     import torch.distributed as dist
 
@@ -183,6 +183,6 @@ def preemptible_loop(config: dict) -> None:
             train.report(metrics)
         signal_at, attempt = config.get("signal_at"), ctx.get_attempt()
         at = [signal_at] if isinstance(signal_at, int) else list(signal_at or [])
-        if attempt < len(at) and step + 1 == at[attempt] and ctx.get_world_rank() == 0:
+        if attempt < len(at) and step + 1 - start == at[attempt] and ctx.get_world_rank() == 0:
             suffix = f".{attempt}" if attempt else ""
             write_text(config["marker"] + suffix, metrics["node_id"])  # at once: a rename
