@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from _common import per_call
 
 import tpuray.runtime as runtime
 
@@ -105,15 +105,11 @@ def main() -> None:
             reading, attending = combo.split("+")
             try:
                 fn = torch.compile(program(reading, attending, args.length), backend=backend, dynamic=False)
-                times = []
-                for _ in range(23):
-                    start = time.perf_counter()
-                    out = fn(ks, vs, q, slots, positions).float().cpu()
-                    times.append(time.perf_counter() - start)
-                steady = sorted(times[3:])
+                inputs = (ks, vs, q, slots, positions)
+                out, figures = per_call(lambda *a, fn=fn: fn(*a).float().cpu(), lambda i, x=inputs: x, 20)
                 if reference is None:
                     reference = out
-                row = {"batch": B, "combo": combo, "median_ms": round(1e3 * steady[len(steady) // 2], 3)}
+                row = {"batch": B, "combo": combo, "median_ms": figures["median_ms"]}
                 if reading != "slice":
                     row["max_diff_vs_first"] = round(float((out - reference).abs().max()), 4)
                 print(json.dumps(row), flush=True)

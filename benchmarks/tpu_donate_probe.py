@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from _common import per_call
 
 import tpuray.runtime as runtime
 from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
@@ -103,16 +103,14 @@ def timed(variant: str, device: torch.device, calls: int, rows: int = 1) -> None
     cache = torch.zeros(BIG, dtype=torch.bfloat16, device=device)
     slots = torch.arange(rows, device=device)
     k = torch.ones((rows, BIG[2], BIG[3]), dtype=torch.bfloat16, device=device)
-    times = []
-    for i in range(calls + 3):
-        pos = torch.full((rows,), i % 8, device=device)
-        start = time.perf_counter()
-        cache, read = step(cache, slots, pos, k)
-        read.cpu()
-        times.append(time.perf_counter() - start)
-    steady = sorted(times[3:])
-    report(variant, rows=rows, cache_gib=cache.numel() * 2 / 2**30, first_call_s=round(times[0], 3),
-           median_ms=round(1e3 * steady[len(steady) // 2], 3), best_ms=round(1e3 * steady[0], 3))  # fmt: skip
+    state = {"cache": cache}
+
+    def call(pos: torch.Tensor) -> torch.Tensor:
+        state["cache"], read = step(state["cache"], slots, pos, k)
+        return read.cpu()
+
+    _, figures = per_call(call, lambda i: (torch.full((rows,), i % 8, device=device),), calls)
+    report(variant, rows=rows, cache_gib=cache.numel() * 2 / 2**30, **figures)
 
 
 LAYERS, SLOTS, MAX_LEN, KV, D = 16, 33, 1024, 8, 64  # the 1.1B engine's cache: 1.1 GB of bf16 K and V
@@ -147,15 +145,13 @@ def cache_layouts(device: torch.device, calls: int, rows: int) -> None:
         vs = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(n)]
         fn = torch.compile(per_layer if n > 1 else stacked, backend=backend, dynamic=False, fullgraph=True)
         args = (ks, vs) if n > 1 else (ks[0], vs[0])
-        times = []
-        for i in range(calls + 3):
-            pos = torch.full((rows,), i % 8, device=device)
-            start = time.perf_counter()
-            fn(*args, slots, pos, k, k).cpu()
-            times.append(time.perf_counter() - start)
-        steady = sorted(times[3:])
+        _, figures = per_call(
+            lambda pos, fn=fn, args=args: fn(*args, slots, pos, k, k).cpu(),
+            lambda i: (torch.full((rows,), i % 8, device=device),),
+            calls,
+        )
         kept = bool((ks[0].cpu()[0, (calls + 2) % 8] == 1).all())
-        report(f"layout_{name}", rows=rows, median_ms=round(1e3 * steady[len(steady) // 2], 3), kept=kept)
+        report(f"layout_{name}", rows=rows, median_ms=figures["median_ms"], kept=kept)
         del ks, vs
 
 

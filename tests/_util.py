@@ -44,10 +44,8 @@ def read_ranks(out_dir) -> list[dict]:
     return sorted(docs, key=lambda d: d["rank"])
 
 
-def alive_train_workers() -> list:
-    """The connected cluster's TrainWorker actors that are not DEAD."""
+def alive_actors(class_name: str) -> list:
+    """The connected cluster's actors of `class_name` (a substring of the class name) that are not DEAD."""
     import ray._private.state as state
 
-    return [
-        a for a in state.actors().values() if a["State"] != "DEAD" and "TrainWorker" in a["ActorClassName"]
-    ]
+    return [a for a in state.actors().values() if a["State"] != "DEAD" and class_name in a["ActorClassName"]]

@@ -39,9 +39,3 @@ def slice_rollout_config(path: str, **kw: Any) -> Any:
     return RolloutConfig(
         path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64, **kw
     )
-
-
-def alive_actors(class_name: str) -> list:
-    import ray._private.state as state
-
-    return [a for a in state.actors().values() if a["State"] != "DEAD" and class_name in a["ActorClassName"]]

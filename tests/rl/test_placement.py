@@ -14,9 +14,10 @@ from tpuray.rl.run import RLConfig, RLRun, RLRunError
 ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
 from _rl_util import SCALING, slice_rollout_config  # noqa: E402
-from _rl_util import alive_actors as _alive  # noqa: E402
 from _rl_util import greedy as _greedy  # noqa: E402
 from _rl_util import state_dict as _state_dict  # noqa: E402
+
+from _util import alive_actors as _alive  # noqa: E402
 
 
 def _no_group_left(pg_leak_check) -> None:

@@ -18,9 +18,11 @@ from tpuray.validation import ConfigError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
-from _rl_util import SCALING, alive_actors, slice_rollout_config  # noqa: E402
+from _rl_util import SCALING, slice_rollout_config  # noqa: E402
 from _rl_util import greedy as _greedy  # noqa: E402
 from _rl_util import state_dict as _state_dict  # noqa: E402
+
+from _util import alive_actors  # noqa: E402
 
 
 def test_pieces_assemble_into_each_ranks_shards(tiny_models):

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
 import _tracking_loops  # noqa: E402
 
-from _util import alive_train_workers, read_ranks  # noqa: E402
+from _util import alive_actors, read_ranks  # noqa: E402
 from tpuray.optional import MissingDependency  # noqa: E402
 from tpuray.train import (  # noqa: E402
     Callback,
@@ -334,7 +334,7 @@ def test_seed_loop_with_callbacks_on_emulated_tpu_2x2(emulated_cluster, pg_leak_
     assert sorted(c.path.rsplit("/", 1)[-1] for c, _ in result.best_checkpoints) == sorted(
         f"checkpoint_{i:06d}" for i in best
     )
-    assert not alive_train_workers()
+    assert not alive_actors("TrainWorker")
 
     # Callbacks: every report and checkpoint in order; MLflow and TensorBoard have every loss.
     assert rec.events[1:] == [*_expected(6), ("end", None)]

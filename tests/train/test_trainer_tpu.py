@@ -15,11 +15,9 @@ import _loops  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_loops)  # workers cannot import tests/train/_loops.py by name
 
-from _util import alive_train_workers  # noqa: E402
+from _util import alive_actors  # noqa: E402
 from tpuray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError  # noqa: E402
 from tpuray.train.torch import TorchTrainer  # noqa: E402
-
-TPU_2x2 = dict(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
 
 
 def test_user_error_surfaces_with_traceback_and_is_not_retried(
@@ -40,7 +38,7 @@ def test_user_error_surfaces_with_traceback_and_is_not_retried(
     assert "failing_loop" in message and "Traceback" in message
     assert isinstance(err.value.worker_failures[1], ValueError)
     assert err.value.result.error is err.value and err.value.result.num_failures == 0
-    assert not alive_train_workers()
+    assert not alive_actors("TrainWorker")
 
 
 def test_cpu_gloo_data_loader_shards(emulated_cluster, pg_leak_check, tmp_path) -> None:

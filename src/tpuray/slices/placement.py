@@ -47,6 +47,12 @@ def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> li
     return same
 
 
+def _free(slices: list[SliceInfo]) -> list[str]:
+    """The names of the slices a reservation may take whole now: every chip free, every host up, none
+    draining."""
+    return [s.name for s in slices if s.idle and s.intact and not s.draining]
+
+
 SETTLE_S = (
     2.0  # how long bundles may wait on a slice whose chips others hold before the reservation looks again
 )
@@ -207,12 +213,8 @@ class SlicePlacementGroup:
 
     def _idle_slice_elsewhere(self) -> bool:
         """A slice of this shape, not one of this try's, whose chips are all free now."""
-        topo = self._topology
-        return any(
-            s.idle and s.intact and not s.draining and s.name not in self._slice_names
-            for s in list_slices()
-            if s.pod_type == topo.pod_type
-        )
+        same = [s for s in list_slices() if s.pod_type == self._topology.pod_type]
+        return any(name not in self._slice_names for name in _free(same))
 
     def _reserve_heads(self, start: float) -> tuple[list[str], list[dict[str, float]]]:
         """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
@@ -223,8 +225,7 @@ class SlicePlacementGroup:
 
         topo = self._topology
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-        same = check_slices_can_be_reserved(topo, self._num_slices)
-        idle = [s.name for s in same if s.idle and s.intact and not s.draining]
+        idle = _free(check_slices_can_be_reserved(topo, self._num_slices))
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
         for i in range(self._num_slices):
