@@ -52,10 +52,11 @@ def bench_engine(args) -> None:
     path = Path(tempfile.mkdtemp()) / "llama"
     weight_bytes = write_llama(path, **dims)
     backends = args.compile_backend.split(",") if args.device == "tpu" else [None]
+    setups = [(b, d) for b in backends for d in args.decode_step.split(",")]
     anchor: dict[str, float] = {}
     anchor_tokens = None
-    for backend in backends:
-        figures = engine_figures(args, path, weight_bytes, backend)
+    for backend, decode_step in setups:
+        figures = engine_figures(args, path, weight_bytes, backend, DECODE_STEPS[decode_step])
         tokens = figures.pop("greedy_tokens")
         if not anchor:
             anchor, anchor_tokens = figures, tokens
@@ -63,7 +64,8 @@ def bench_engine(args) -> None:
             report(
                 "engine_vs_anchor",
                 backend=backend,
-                anchor=backends[0],
+                decode_step=decode_step,
+                anchor=f"{setups[0][0]} {setups[0][1]}",
                 same_greedy_tokens=tokens == anchor_tokens,
                 **{f"{k}_ratio": v / anchor[k] for k, v in figures.items() if anchor.get(k)},
             )
@@ -77,7 +79,13 @@ def both_modes(rate) -> tuple[float, float]:
     return max(r for a, r in runs if not a), max(r for a, r in runs if a)
 
 
-def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> dict:
+DECODE_STEPS = {  # the runner options of --decode-step's names
+    "auto": {},  # the engine's choice (on a TPU: K/V written densely from batch 16, matmul attention)
+    "scatter-sdpa": {"kv_write": "scatter", "decode_attention": "sdpa"},  # the engine until 2026-12-05
+}
+
+
+def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, options: dict) -> dict:
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 
     max_model_len, max_num_seqs = args.max_model_len, 32
@@ -90,12 +98,15 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None) -> 
         device=args.device,
         compile=True if args.device == "tpu" else None,
         compile_backend=backend,
+        **options,
     )
     load_s = time.perf_counter() - t0
     built = 0 if args.quick else runner.warmup()
     report(
         "engine_start",
         backend=backend,
+        kv_write=runner.kv_write,
+        decode_attention=runner.model.decode_attention,
         params_bytes=weight_bytes,
         kv_cache_bytes=runner.cache.nbytes,
         load_s=load_s,
@@ -314,9 +325,17 @@ def main() -> None:
         "(tpu-donate: the engine's default, the KV cache updated in place; tpu: torch_tpu's own; any "
         "torch.compile backend name)",
     )
+    ap.add_argument(
+        "--decode-step",
+        default="auto",
+        help=f"engine: decode step setups, comma-separated, crossed with the backends ({', '.join(DECODE_STEPS)})",
+    )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = ap.parse_args()
+    unknown = set(args.decode_step.split(",")) - set(DECODE_STEPS)
+    if unknown:
+        ap.error(f"--decode-step {', '.join(sorted(unknown))} is not valid; valid: {', '.join(DECODE_STEPS)}")
     if args.device == "tpu":
         from tpuray.runtime import activate
 

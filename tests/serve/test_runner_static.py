@@ -75,9 +75,17 @@ def _random_steps(seed: int, n: int = 12):
     return steps
 
 
-def test_padded_steps_equal_exact_steps(tiny_model_dir):
+@pytest.mark.parametrize(
+    "tpu_options",
+    [{}, {"kv_write": "dense", "decode_attention": "matmul"}],
+    ids=["default", "dense-write-matmul-attention"],
+)
+def test_padded_steps_equal_exact_steps(tiny_model_dir, tpu_options):
+    """Padded steps give the exact steps' results, also with the decode step a real TPU runs (its K/V
+    written densely at every batch size, its attention as matmuls)."""
     kw = dict(max_num_seqs=4, max_model_len=128, dtype="float32")
-    exact, padded = ModelRunner(tiny_model_dir, **kw), ModelRunner(tiny_model_dir, static_shapes=True, **kw)
+    exact = ModelRunner(tiny_model_dir, **kw)
+    padded = ModelRunner(tiny_model_dir, static_shapes=True, **tpu_options, **kw)
     assert padded.buckets.padded and not exact.buckets.padded
     for step in _random_steps(0):
         a, b = exact.step(step), padded.step(step)
@@ -88,12 +96,25 @@ def test_padded_steps_equal_exact_steps(tiny_model_dir):
     assert greedy_only is not None and greedy_only.logits is None and greedy_only.token_ids
 
 
-def test_a_stale_slot_changes_nothing(tiny_model_dir):
+def test_runner_options_are_checked(tiny_model_dir):
+    kw = dict(max_num_seqs=4, max_model_len=128, dtype="float32")
+    with pytest.raises(ValueError, match="kv_write='sparse' is not valid; valid: 'auto', 'scatter', 'dense'"):
+        ModelRunner(tiny_model_dir, kv_write="sparse", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_attention='flash' is not valid; valid: 'sdpa', 'matmul'"):
+        ModelRunner(tiny_model_dir, decode_attention="flash", **kw)  # type: ignore[arg-type]
+    cpu = ModelRunner(tiny_model_dir, **kw)  # off a TPU "auto" keeps the scatter and SDPA
+    assert cpu.kv_write == "scatter" and cpu.model.decode_attention == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "tpu_options", [{}, {"kv_write": "dense", "decode_attention": "matmul"}], ids=["default", "tpu-decode"]
+)
+def test_a_stale_slot_changes_nothing(tiny_model_dir, tpu_options):
     """Keys and values a slot holds beyond its sequence (a finished request's, or garbage) are masked out:
     the same logits as in a fresh slot. On torch_tpu 0.2.0 a decode mask that broadcast over the query
     rows was ignored (benchmarks/tpu_cache_probe.py); the model expands it (tests/real_tpu compares)."""
     runner = ModelRunner(
-        tiny_model_dir, max_num_seqs=4, max_model_len=128, dtype="float32", static_shapes=True
+        tiny_model_dir, max_num_seqs=4, max_model_len=128, dtype="float32", static_shapes=True, **tpu_options
     )
     prompt = list(range(5, 17))
     for t in (*runner.cache.k, *runner.cache.v):

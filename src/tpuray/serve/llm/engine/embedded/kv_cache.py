@@ -5,11 +5,20 @@ Under tensor parallelism each rank holds only its own KV heads. The scheduler ha
 0..num_slots-1; the extra last slot (`trash_slot`) takes the writes of padding tokens, so that a padded,
 fixed-shape step writes every row without branching on which rows are real (what XLA needs: no
 data-dependent shapes). The cache itself never allocates after construction.
+
+Two ways to store a step's K/V: `write` (a scatter of the rows: what every device does well, except a TPU
+at many rows, where XLA's scatter costs ~0.3 ms per decode row of the 1.1B model) and `dense_writer` (the
+first `length` positions of every slot rewritten in place through a static slice, the rows placed by a
+one-hot matmul: a cost that does not grow with the rows; benchmarks/tpu_decode_probe.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+DenseWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class KVCache:
@@ -41,6 +50,28 @@ class KVCache:
         tokens point at the trash slot)."""
         self.k[layer].index_put_((slots, positions), k)
         self.v[layer].index_put_((slots, positions), v)
+
+    def dense_writer(self, slots: torch.Tensor, positions: torch.Tensor, length: int) -> DenseWrite:
+        """`write(layer, k, v)` for N tokens at (slots[i], positions[i]), every position < `length`, without
+        a scatter: positions [0, length) of every slot are rewritten, the N rows placed by a one-hot
+        matmul (exact: one non-zero term per element). Rows that share a place (padding in the trash
+        slot) add up there."""
+        S, dev = self.k[0].shape[0], slots.device
+        hit = (torch.arange(S, device=dev)[:, None, None] == slots) & (
+            torch.arange(length, device=dev)[None, :, None] == positions
+        )  # [S, length, N]
+        written = hit.any(-1)[..., None, None]
+        onehot = hit.reshape(S * length, -1)
+
+        def put(cache: torch.Tensor, x: torch.Tensor) -> None:
+            rows = (onehot.to(x.dtype) @ x.reshape(x.shape[0], -1)).view(S, length, *x.shape[1:])
+            cache[:, :length] = torch.where(written, rows, cache[:, :length])
+
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            put(self.k[layer], k)
+            put(self.v[layer], v)
+
+        return write
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, length) for each slot: [B, heads, length, head_dim]."""

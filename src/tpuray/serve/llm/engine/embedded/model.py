@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,11 @@ from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+DecodeAttention = Literal["sdpa", "matmul"]
+"""How a decode step attends: "sdpa" (F.scaled_dot_product_attention) or "matmul" (two matmuls around a
+float32 softmax: on a TPU 0.9 vs 4.1 ms per batch-32 step of the 1.1B model, benchmarks/README.md; on a CPU
+slower)."""
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -52,7 +58,11 @@ class ShardedLlama:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         all_reduce: Callable[[torch.Tensor], None] | None = None,
+        decode_attention: DecodeAttention = "sdpa",
     ):
+        if decode_attention not in ("sdpa", "matmul"):
+            raise ValueError(f"decode_attention={decode_attention!r} is not valid; valid: 'sdpa', 'matmul'")
+        self.decode_attention = decode_attention
         cfg = json.loads((Path(path) / "config.json").read_text())
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -171,6 +181,18 @@ class ShardedLlama:
         out = F.scaled_dot_product_attention(q.reshape(B, KV, groups * T, D), k, v, attn_mask=mask)
         return out.reshape(B, H, T, D)
 
+    def _matmul_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """`_attention` written out (matmul, masked float32 softmax, matmul); the same shapes."""
+        B, H, T, D = q.shape
+        KV = k.shape[1]
+        if mask.shape[-2] > 1 and H > KV:
+            mask = mask.repeat(1, 1, H // KV, 1)
+        scores = (q.reshape(B, KV, (H // KV) * T, D) @ k.transpose(-1, -2)).float() * D**-0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        return (probs @ v).reshape(B, H, T, D)
+
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The decoder stack over hidden states [B, T, hidden]; `attend(layer, q, k, v)` takes this
         step's q [B, H, T, D] and k/v [B, KV, T, D] (RoPE applied), stores k/v and returns the attention
@@ -234,18 +256,26 @@ class ShardedLlama:
         slots: torch.Tensor,
         cache: KVCache,
         context_len: int,
+        dense_write: bool = False,
     ) -> torch.Tensor:
         """One new token per sequence: token [B] at `positions` [B] of cache slot `slots` [B], attending
-        to positions [0, context_len) of its slot (context_len > every position). Logits [B, vocab]."""
+        to positions [0, context_len) of its slot (context_len > every position). Logits [B, vocab].
+        `dense_write`: the K/V stored with the cache's dense writer instead of a scatter (kv_cache.py)."""
         cos, sin = self._rope_tables(positions[:, None])  # [B, 1, D]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]
         key_pos = torch.arange(context_len, device=positions.device)
         mask = (key_pos[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, L]
 
+        dense = cache.dense_writer(slots, positions, context_len) if dense_write else None
+        attention = self._matmul_attention if self.decode_attention == "matmul" else self._attention
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(i, slots, positions, k[:, :, 0], v[:, :, 0])
+            if dense is None:
+                cache.write(i, slots, positions, k[:, :, 0], v[:, :, 0])
+            else:
+                dense(i, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(i, slots, context_len)
-            return self._attention(q, keys, values, mask)
+            return attention(q, keys, values, mask)
 
         h = self._layers(self.embed[tokens][:, None], cos, sin, attend)
         return self._logits(h[:, 0])

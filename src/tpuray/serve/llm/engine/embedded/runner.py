@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -27,6 +28,13 @@ from tpuray.serve.llm.engine.embedded.step_plan import (
 )
 
 PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of prompt tokens 1.. (echo)
+
+KVWrite = Literal["auto", "scatter", "dense"]
+"""How a decode step stores its K/V (kv_cache.py): "scatter", "dense", or "auto": dense for decode
+batches of DENSE_WRITE_MIN_ROWS or more on a real TPU (a batch-32 step of the 1.1B model: 13.7 ms with
+scatters, 4.6 ms dense; batch 1: 3.3 vs 7.1 ms), scatter elsewhere."""
+
+DENSE_WRITE_MIN_ROWS = 16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 
@@ -105,13 +113,26 @@ class ModelRunner:
         compile_backend: str | None = None,
         static_shapes: bool = False,
         buckets: Buckets | None = None,
+        kv_write: KVWrite = "auto",
+        decode_attention: Literal["auto", "sdpa", "matmul"] = "auto",
     ):
-        self.model = ShardedLlama(path, rank, world_size, DTYPES[dtype], device, all_reduce)
+        if kv_write not in ("auto", "scatter", "dense"):
+            raise ValueError(f"kv_write={kv_write!r} is not valid; valid: 'auto', 'scatter', 'dense'")
+        real_tpu = _real_tpu(torch.device(device))
+        if decode_attention == "auto":  # model.DecodeAttention: the matmul form only pays on a TPU
+            decode_attention = "matmul" if real_tpu else "sdpa"
+        self.model = ShardedLlama(
+            path, rank, world_size, DTYPES[dtype], device, all_reduce, decode_attention=decode_attention
+        )
+        self.kv_write: KVWrite = kv_write if kv_write != "auto" else ("dense" if real_tpu else "scatter")
+        """The decode batches' K/V writes: "scatter", or "dense" (for batches of DENSE_WRITE_MIN_ROWS or
+        more when chosen by "auto"; every batch when asked for)."""
+        self.dense_write_min_rows = DENSE_WRITE_MIN_ROWS if kv_write == "auto" else 1
         self.rank = rank
         self.device = self.model.device
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
         self.last_ids = torch.zeros(self.cache.trash_slot + 1, dtype=torch.long, device=self.device)
-        self.compiled = _real_tpu(self.device) if compile is None else compile
+        self.compiled = real_tpu if compile is None else compile
         padded = self.compiled or static_shapes
         if buckets is None:
             buckets = (
@@ -139,7 +160,8 @@ class ModelRunner:
     def _decode_program(self, packed, context_len: int):
         tokens, positions, slots = packed
         tokens = torch.where(tokens == FROM_DEVICE, self.last_ids[slots], tokens)
-        logits = self.model.decode(tokens, positions, slots, self.cache, context_len)
+        dense = self.kv_write == "dense" and len(tokens) >= self.dense_write_min_rows  # static per bucket
+        logits = self.model.decode(tokens, positions, slots, self.cache, context_len, dense_write=dense)
         ids = logits.argmax(dim=-1)
         self.last_ids[slots] = ids
         return logits, ids
