@@ -164,10 +164,18 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
         ids = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))]
         temp = 0.0 if i % 3 else 0.8
         requests.append((ids, SamplingParams(max_tokens=rng.randrange(1, 40), temperature=temp, seed=i)))
-    compiled = _engine(tiny_model_dir, True, compile=True, compile_backend="eager")
+    compiled = _engine(  # with the decode step a real TPU runs: K/V written densely, matmul attention
+        tiny_model_dir,
+        True,
+        compile=True,
+        compile_backend="eager",
+        kv_write="dense",
+        decode_attention="matmul",
+    )
     try:
         runner = compiled.runner
         assert runner is not None and runner.compiled and compiled.async_scheduling
+        assert runner.kv_write == "dense" and runner.model.decode_attention == "matmul"
         assert runner.backend == "eager"
         after_warmup = runner.compilations
         assert after_warmup == runner.buckets.num_programs  # every program built before serving
@@ -179,7 +187,7 @@ def test_compiled_runner_compiles_only_at_warmup(tiny_model_dir):
     eager = _engine(tiny_model_dir)
     try:
         assert eager.runner is not None and not eager.runner.compiled and eager.runner.compilations == 0
-        assert eager.runner.backend is None
+        assert eager.runner.backend is None and eager.runner.kv_write == "scatter"
         assert _serve(eager, requests) == got  # the same tokens, seeded sampling included
     finally:
         eager.shutdown()
