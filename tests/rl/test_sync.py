@@ -86,6 +86,20 @@ def test_rl_config_refuses_bad_values(tiny_models):
         ({"weight_sync": "nccl"}, "weight_sync='nccl' is invalid; valid: object_store, tpu_dist"),
         ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
         ({"rollout": RolloutConfig(tiny_models[0])}, "accelerator_type=None"),
+        ({"rollout_max_failures": -2}, "rollout_max_failures=-2 is invalid; valid: an integer >= -1"),
+        (  # the default transport: the lost workers had the last update's data
+            {"rollout_max_failures": 1},
+            "rollout_max_failures=1 needs weight_sync='object_store'",
+        ),
+        (
+            {
+                "placement": "colocated",
+                "rollout": RolloutConfig(tiny_models[0]),
+                "weight_sync": "object_store",
+                "rollout_max_failures": -1,
+            },
+            r"rollout_max_failures=-1 is invalid with placement='colocated'.*FailureConfig",
+        ),
     ):
         with pytest.raises(ConfigError, match=named):
             RLConfig(**{**ok, **bad})

@@ -20,7 +20,8 @@ from __future__ import annotations
 from tpuray.rl import vllm_rollout  # noqa: F401  (registers RolloutEngine's vLLM subclass)
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
-from tpuray.rl.run import IterationStats, RLConfig, RLResult, RLRun, RLRunError
+from tpuray.rl.rl_config import RLConfig
+from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError
 from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, put_shards
 

@@ -16,22 +16,23 @@ engine; with `overlap=True` it generates batch k+1 while the trainer trains on b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import RolloutEngine
-from tpuray.rl.sync import TRANSPORTS, Transport, WeightSync
+from tpuray.rl.engine import RolloutEngine, RolloutEngineError
+from tpuray.rl.rl_config import RLConfig, check_restarts
+from tpuray.rl.sync import WeightSync
 from tpuray.validation import ConfigError
+
+__all__ = ["IterationStats", "RLConfig", "RLResult", "RLRun", "RLRunError"]
 
 logger = logging.getLogger(__name__)
 
-Placement = Literal["disaggregated", "colocated"]
-PLACEMENTS: tuple[str, ...] = get_args(Placement)
 RolloutFn = Callable[[RolloutEngine, int], Any]
 STOP_TIMEOUT_S = 120.0  # for the trainer's workers to end once the run failed
 
@@ -39,126 +40,6 @@ STOP_TIMEOUT_S = 120.0  # for the trainer's workers to end once the run failed
 class RLRunError(RuntimeError):
     """The RL run ended because one side failed (the trainer run, the rollout engine or a weight sync);
     the cause is chained. Everything the run reserved was released."""
-
-
-@dataclass
-class RLConfig:
-    """Where an RL run's trainer and rollout engine run, and how their phases interleave; validated at
-    construction, before anything is reserved."""
-
-    rollout: RolloutConfig
-    """The rollout engine: model, slice (`accelerator_type`, `topology`) and tensor parallelism."""
-    trainer: Any
-    """The trainer's workers: a `tpuray.train.ScalingConfig` (TPU slices for `use_tpu=True`)."""
-    placement: Placement = "disaggregated"
-    """"disaggregated": trainer and rollout engine each on slices of their own (`trainer`'s and
-    `rollout`'s), reserved for the whole run; the phases can overlap.
-    "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded, tensor parallel
-    over the trainer's ranks) runs inside the trainer's worker processes and the phases take turns on
-    the same chips: generate, engine `sleep()` (its memory freed), train, weight sync into the sleeping
-    engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.colocate`, docs/rl.md)."""
-    overlap: bool = False
-    """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
-    batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
-    weight_sync: Transport = "tpu_dist"
-    """How the trainer's weights reach the rollout engine's workers; either way each trainer rank sends
-    every rollout tensor-parallel rank only the rows of its part that it holds, no copy passes the
-    driver, and a name or shape mismatch is refused before anything is overwritten.
-    "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
-    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
-    driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
-    driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
-    "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
-    the driver, each rollout rank pulls its objects and checks them (no process group between the two
-    sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
-    placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
-    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
-    sync_timeout_s: float = 600.0
-    """How long a trainer rank waits for a batch or for the engine to take its weights."""
-    trainer_world_size: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        from tpuray.train import ScalingConfig
-
-        if not isinstance(self.rollout, RolloutConfig):
-            raise ConfigError(f"RLConfig.rollout must be a tpuray.rl.RolloutConfig, got {self.rollout!r}")
-        if not isinstance(self.trainer, ScalingConfig):
-            raise ConfigError(f"RLConfig.trainer must be a tpuray.train.ScalingConfig, got {self.trainer!r}")
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(
-                f"RLConfig.placement={self.placement!r} is invalid; valid: {', '.join(PLACEMENTS)}"
-            )
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
-        if self.weight_sync not in TRANSPORTS:
-            raise ConfigError(
-                f"RLConfig.weight_sync={self.weight_sync!r} is invalid; valid: {', '.join(TRANSPORTS)}"
-            )
-        if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
-            raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
-        self.trainer_world_size = self.trainer.num_workers
-        if self.placement == "colocated":
-            self._check_colocated()
-        else:
-            self._check_disaggregated()
-
-    def _check_disaggregated(self) -> None:
-        if self.rollout.resolved_engine != "embedded":
-            raise ConfigError(
-                f"RLConfig.rollout: an RLRun's weight sync loads into the embedded engine's tensor-parallel "
-                f"workers; the rollout engine resolved to {self.rollout.resolved_engine!r} (vLLM's workers take "
-                "full tensors through its weight loaders: RolloutEngine.update_weights(state_dict)); valid: "
-                "RolloutConfig(engine='embedded')"
-            )
-        if not self.rollout.on_slice or not self.trainer.use_tpu:
-            raise ConfigError(
-                f"RLConfig.placement='disaggregated' puts the trainer and the rollout engine on slices of "
-                f"their own: RolloutConfig(accelerator_type={self.rollout.accelerator_type!r}, "
-                f"topology={self.rollout.topology!r}) and ScalingConfig(use_tpu={self.trainer.use_tpu!r}) "
-                "must both name a TPU slice"
-            )
-
-    def _check_colocated(self) -> None:
-        rollout, trainer = self.rollout, self.trainer
-        if self.overlap:
-            raise ConfigError(
-                "RLConfig.overlap=True is invalid with placement='colocated' (the engine and the trainer "
-                "take turns on the same chips: nothing can overlap); valid: overlap=False, or "
-                "placement='disaggregated'"
-            )
-        if rollout.resolved_engine != "embedded":
-            raise ConfigError(
-                f"RLConfig.placement='colocated' with RolloutConfig.engine={rollout.engine!r} (runs vLLM): "
-                "the engine must sleep while the trainer trains, and vLLM's sleep mode is unavailable on "
-                "vLLM's CPU platform (its CPU build and emulated TPU slices), besides running in worker "
-                "processes of its own; valid: engine='embedded'"
-            )
-        if rollout.on_slice:
-            raise ConfigError(
-                f"RLConfig.placement='colocated' runs the rollout engine on the trainer's slice: "
-                f"RolloutConfig(accelerator_type={rollout.accelerator_type!r}, topology={rollout.topology!r}) "
-                "must be None (the engine's tensor parallelism is the trainer's ranks)"
-            )
-        if not trainer.use_tpu or (trainer.num_slices or 1) != 1:
-            raise ConfigError(
-                f"RLConfig.placement='colocated' needs one TPU slice for the trainer: "
-                f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
-                "valid: use_tpu=True on one slice"
-            )
-        if self.weight_sync != "object_store":
-            raise ConfigError(
-                f"RLConfig.weight_sync={self.weight_sync!r} is invalid with placement='colocated': its "
-                "process group spans the trainer's and the engine's workers, and colocated they are the same "
-                "processes (each rank's pieces go to its own engine rank through its host's object store); "
-                "valid: weight_sync='object_store'"
-            )
-
-    @property
-    def rollout_tensor_parallel_size(self) -> int:
-        """The rollout engine's ranks: its own slice's (disaggregated) or the trainer's (colocated)."""
-        if self.placement == "colocated":
-            return self.trainer_world_size
-        return self.rollout.tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -186,22 +67,11 @@ class RLResult:
     train_result: Any
     batches: list[Any]
     times: list[IterationStats]
+    rollout_restarts: int = 0
+    """Rollout engines replaced after a failure (RLConfig.rollout_max_failures)."""
     versions: list[int] = field(default_factory=list)
     """The weight versions the engine loaded, in order: 1..iterations, plus, after a trainer restart, the
     versions after its checkpoint again (the restarted trainer's state replaces the lost one's)."""
-
-
-def _check_restarts(config: RLConfig, max_failures: int) -> None:
-    """Trainer restarts (FailureConfig(max_failures) != 0) need the engine on a slice of its own, which
-    outlives the trainer's workers (docs/rl.md, "Reservation and failures")."""
-    if max_failures == 0:
-        return
-    if config.placement == "colocated":
-        raise ConfigError(
-            f"FailureConfig(max_failures={max_failures}) with RLConfig.placement='colocated' is not "
-            "supported: the engine runs in the trainer's workers, and a restart replaces them; valid: "
-            "max_failures=0, or placement='disaggregated'"
-        )
 
 
 class RLRun:
@@ -216,7 +86,8 @@ class RLRun:
     worker group (tpuray.train's fault tolerance); the loop resumes from `tpuray.train.get_checkpoint()`
     and takes the batches after it again (the driver keeps them), the engine loads the versions it
     re-sends (over "tpu_dist" each attempt forms its own group with the engine's workers). Past N, or a
-    rollout-side failure: RLRunError."""
+    rollout-side failure past RLConfig.rollout_max_failures (a failed engine replaced: `_restart_engine`):
+    RLRunError."""
 
     def __init__(
         self,
@@ -233,7 +104,7 @@ class RLRun:
         run_config = run_config or RunConfig()
         if not isinstance(run_config, RunConfig):
             raise ConfigError(f"run_config must be a tpuray.train.RunConfig, got {run_config!r}")
-        _check_restarts(config, run_config.failure_config.max_failures)
+        check_restarts(config, run_config.failure_config.max_failures)
         self.config = config
         self.train_loop = train_loop
         self.train_loop_config = dict(train_loop_config or {})
@@ -243,13 +114,15 @@ class RLRun:
         self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
         self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
         self._attempt = 0  # the trainer attempt whose updates the engine loads
+        self._last_update: Any = None  # the latest update the engine loaded: a new engine reloads it
+        self._rollout_restarts = 0
 
     def run(self, iterations: int, rollout_fn: RolloutFn) -> RLResult:
         """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
         self._check_capacity()
-        self._versions, self._attempt = [], 0
+        self._versions, self._attempt, self._last_update, self._rollout_restarts = [], 0, None, 0
         if self.config.placement == "disaggregated":  # reserves the rollout slice (or raises, nothing held)
             self._engine = RolloutEngine(self.config.rollout)
         try:
@@ -265,7 +138,7 @@ class RLRun:
         try:
             self._start_trainer(sync, iterations)
             batches, times = self._loop(sync, iterations, rollout_fn)
-            return RLResult(self._finish(), batches, times, self._versions)
+            return RLResult(self._finish(), batches, times, self._rollout_restarts, self._versions)
         except BaseException as e:
             if self.config.placement == "disaggregated":
                 self._shutdown_engine()  # first: a trainer rank mid-send over tpu_dist then fails, not waits
@@ -406,8 +279,7 @@ class RLRun:
         engine (started in the trainer's workers at k=0, woken up after) generates, then sleeps so that
         the trainer has the chips."""
         if self.config.placement == "disaggregated":
-            assert self._engine is not None
-            return rollout_fn(self._engine, k), 0
+            return self._on_engine(lambda engine: rollout_fn(engine, k)), 0
         hosts = sync.ready(k, self._alive)
         if self._engine is None:
             from tpuray.rl.colocate import ColocatedRolloutEngine
@@ -436,12 +308,40 @@ class RLRun:
                     update.version,
                 )
                 self._attempt = update.attempt
-            assert self._engine is not None  # made by the first _rollout
-            self._update(self._engine, sync, update)
+            self._on_engine(functools.partial(self._update, sync=sync, update=update))
+            self._last_update = update
             self._versions.append(update.version)
             wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
             if update.version >= version:
                 return update, wait_s, sync_s
+
+    def _on_engine(self, call: Callable[[RolloutEngine], Any]) -> Any:
+        """`call(engine)`; where the engine failed (RolloutEngineError) and RLConfig.rollout_max_failures
+        allows, replace the engine and call again."""
+        while True:
+            assert self._engine is not None  # disaggregated: made by run(); colocated: by the first _rollout
+            try:
+                return call(self._engine)
+            except RolloutEngineError as e:
+                limit = self.config.rollout_max_failures
+                if limit != -1 and self._rollout_restarts >= limit:
+                    raise
+                self._restart_engine(e)
+
+    def _restart_engine(self, error: BaseException) -> None:
+        """Shut the failed engine down (its slice released), reserve a new one and load the last update
+        the old one had (its ObjectRefs are still held here)."""
+        self._rollout_restarts += 1
+        logger.warning(
+            "tpuray.rl: the rollout engine failed (%s); replacing it (restart %d of %s)",
+            error,
+            self._rollout_restarts,
+            "unlimited" if self.config.rollout_max_failures == -1 else self.config.rollout_max_failures,
+        )
+        self._shutdown_engine()
+        self._engine = RolloutEngine(self.config.rollout)
+        if self._last_update is not None:
+            self._engine.update_weights(self._last_update)
 
     @staticmethod
     def _update(engine: RolloutEngine, sync: WeightSync, update: Any) -> None:

@@ -1,0 +1,174 @@
+"""`RLConfig`: where an RL run's trainer and rollout engine run, how their phases interleave, how weights
+travel and which failures restart a side (validated at construction, before anything is reserved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from tpuray.rl.config import RolloutConfig
+from tpuray.rl.sync import TRANSPORTS, Transport
+from tpuray.validation import ConfigError
+
+Placement = Literal["disaggregated", "colocated"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+
+@dataclass
+class RLConfig:
+    """Where an RL run's trainer and rollout engine run, and how their phases interleave; validated at
+    construction, before anything is reserved."""
+
+    rollout: RolloutConfig
+    """The rollout engine: model, slice (`accelerator_type`, `topology`) and tensor parallelism."""
+    trainer: Any
+    """The trainer's workers: a `tpuray.train.ScalingConfig` (TPU slices for `use_tpu=True`)."""
+    placement: Placement = "disaggregated"
+    """"disaggregated": trainer and rollout engine each on slices of their own (`trainer`'s and
+    `rollout`'s), reserved for the whole run; the phases can overlap.
+    "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded, tensor parallel
+    over the trainer's ranks) runs inside the trainer's worker processes and the phases take turns on
+    the same chips: generate, engine `sleep()` (its memory freed), train, weight sync into the sleeping
+    engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.colocate`, docs/rl.md)."""
+    overlap: bool = False
+    """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
+    batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
+    weight_sync: Transport = "tpu_dist"
+    """How the trainer's weights reach the rollout engine's workers; either way each trainer rank sends
+    every rollout tensor-parallel rank only the rows of its part that it holds, no copy passes the
+    driver, and a name or shape mismatch is refused before anything is overwritten.
+    "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
+    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
+    driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
+    driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
+    "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
+    the driver, each rollout rank pulls its objects and checks them (no process group between the two
+    sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
+    placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
+    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
+    sync_timeout_s: float = 600.0
+    """How long a trainer rank waits for a batch or for the engine to take its weights."""
+    rollout_max_failures: int = 0
+    """How many times a failed rollout engine (a dead rollout worker or host: `RolloutEngineError`) is
+    replaced before the run ends: 0 (the default) never, -1 without limit. The run then shuts the engine
+    down (its slice released), reserves a new one from `rollout`, loads the last update the old one had
+    and calls the failed `rollout_fn` (or loads the failed update) again; `RLResult.rollout_restarts`
+    counts them. Disaggregated over weight_sync="object_store" only (the driver still holds the last
+    update's ObjectRefs; over "tpu_dist" the data went point to point to the lost workers, and colocated
+    a rollout worker is a trainer worker: the trainer's FailureConfig applies)."""
+    trainer_world_size: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        from tpuray.train import ScalingConfig
+
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ConfigError(f"RLConfig.rollout must be a tpuray.rl.RolloutConfig, got {self.rollout!r}")
+        if not isinstance(self.trainer, ScalingConfig):
+            raise ConfigError(f"RLConfig.trainer must be a tpuray.train.ScalingConfig, got {self.trainer!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"RLConfig.placement={self.placement!r} is invalid; valid: {', '.join(PLACEMENTS)}"
+            )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"RLConfig.overlap={self.overlap!r} is invalid; valid: True, False")
+        if self.weight_sync not in TRANSPORTS:
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid; valid: {', '.join(TRANSPORTS)}"
+            )
+        if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
+            raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
+        self._check_rollout_failures()
+        self.trainer_world_size = self.trainer.num_workers
+        if self.placement == "colocated":
+            self._check_colocated()
+        else:
+            self._check_disaggregated()
+
+    def _check_rollout_failures(self) -> None:
+        n = self.rollout_max_failures
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise ConfigError(f"RLConfig.rollout_max_failures={n!r} is invalid; valid: an integer >= -1")
+        if n == 0:
+            return
+        if self.placement == "colocated":
+            raise ConfigError(
+                f"RLConfig.rollout_max_failures={n} is invalid with placement='colocated': the engine's "
+                "workers are the trainer's (FailureConfig(max_failures) governs them); valid: 0"
+            )
+        if self.weight_sync != "object_store":
+            raise ConfigError(
+                f"RLConfig.rollout_max_failures={n} needs weight_sync='object_store' (a new engine reloads "
+                f"the last update from the ObjectRefs the driver holds; over {self.weight_sync!r} its data "
+                "went to the lost workers only); valid: rollout_max_failures=0, or weight_sync='object_store'"
+            )
+
+    def _check_disaggregated(self) -> None:
+        if self.rollout.resolved_engine != "embedded":
+            raise ConfigError(
+                f"RLConfig.rollout: an RLRun's weight sync loads into the embedded engine's tensor-parallel "
+                f"workers; the rollout engine resolved to {self.rollout.resolved_engine!r} (vLLM's workers take "
+                "full tensors through its weight loaders: RolloutEngine.update_weights(state_dict)); valid: "
+                "RolloutConfig(engine='embedded')"
+            )
+        if not self.rollout.on_slice or not self.trainer.use_tpu:
+            raise ConfigError(
+                f"RLConfig.placement='disaggregated' puts the trainer and the rollout engine on slices of "
+                f"their own: RolloutConfig(accelerator_type={self.rollout.accelerator_type!r}, "
+                f"topology={self.rollout.topology!r}) and ScalingConfig(use_tpu={self.trainer.use_tpu!r}) "
+                "must both name a TPU slice"
+            )
+
+    def _check_colocated(self) -> None:
+        rollout, trainer = self.rollout, self.trainer
+        if self.overlap:
+            raise ConfigError(
+                "RLConfig.overlap=True is invalid with placement='colocated' (the engine and the trainer "
+                "take turns on the same chips: nothing can overlap); valid: overlap=False, or "
+                "placement='disaggregated'"
+            )
+        if rollout.resolved_engine != "embedded":
+            raise ConfigError(
+                f"RLConfig.placement='colocated' with RolloutConfig.engine={rollout.engine!r} (runs vLLM): "
+                "the engine must sleep while the trainer trains, and vLLM's sleep mode is unavailable on "
+                "vLLM's CPU platform (its CPU build and emulated TPU slices), besides running in worker "
+                "processes of its own; valid: engine='embedded'"
+            )
+        if rollout.on_slice:
+            raise ConfigError(
+                f"RLConfig.placement='colocated' runs the rollout engine on the trainer's slice: "
+                f"RolloutConfig(accelerator_type={rollout.accelerator_type!r}, topology={rollout.topology!r}) "
+                "must be None (the engine's tensor parallelism is the trainer's ranks)"
+            )
+        if not trainer.use_tpu or (trainer.num_slices or 1) != 1:
+            raise ConfigError(
+                f"RLConfig.placement='colocated' needs one TPU slice for the trainer: "
+                f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
+                "valid: use_tpu=True on one slice"
+            )
+        if self.weight_sync != "object_store":
+            raise ConfigError(
+                f"RLConfig.weight_sync={self.weight_sync!r} is invalid with placement='colocated': its "
+                "process group spans the trainer's and the engine's workers, and colocated they are the same "
+                "processes (each rank's pieces go to its own engine rank through its host's object store); "
+                "valid: weight_sync='object_store'"
+            )
+
+    @property
+    def rollout_tensor_parallel_size(self) -> int:
+        """The rollout engine's ranks: its own slice's (disaggregated) or the trainer's (colocated)."""
+        if self.placement == "colocated":
+            return self.trainer_world_size
+        return self.rollout.tensor_parallel_size
+
+
+def check_restarts(config: RLConfig, max_failures: int) -> None:
+    """Trainer restarts (FailureConfig(max_failures) != 0) need the engine on a slice of its own, which
+    outlives the trainer's workers (docs/rl.md, "Reservation and failures")."""
+    if max_failures == 0:
+        return
+    if config.placement == "colocated":
+        raise ConfigError(
+            f"FailureConfig(max_failures={max_failures}) with RLConfig.placement='colocated' is not "
+            "supported: the engine runs in the trainer's workers, and a restart replaces them; valid: "
+            "max_failures=0, or placement='disaggregated'"
+        )
