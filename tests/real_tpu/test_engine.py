@@ -74,6 +74,26 @@ def test_a_reused_cache_slot_gives_the_same_tokens(tpu, trained_model, highest_p
     assert _greedy(chip, prompt, 32, slot=2) == first
 
 
+def test_dense_cache_writes_give_the_cpu_tokens(tpu, trained_model, highest_precision):
+    """The decode step a real TPU runs for batches of 16+ rows (K/V written densely, attention as
+    matmuls: kv_cache.dense_writer), forced here at every batch size: the CPU's greedy tokens, alone and
+    with four sequences decoding together."""
+    kw = dict(max_num_seqs=4, max_model_len=256, dtype="float32")
+    cpu = ModelRunner(trained_model, **kw)
+    chip = ModelRunner(trained_model, device="tpu", kv_write="dense", **kw)
+    assert chip.kv_write == "dense" and chip.model.decode_attention == "matmul"
+    prompt = list(range(5, 17))
+    assert _greedy(chip, prompt, 64) == _greedy(cpu, prompt, 64)
+    rows = [(s, list(range(5 + s, 17 + 2 * s)), 0, None) for s in range(4)]
+    for _ in range(8):
+        on_chip, on_cpu = chip.step(rows, need_logits=False), cpu.step(rows, need_logits=False)
+        assert on_chip is not None and on_cpu is not None and on_chip.token_ids == on_cpu.token_ids
+        rows = [
+            (s, [t], start + len(ids), None)
+            for (s, ids, start, _), t in zip(rows, on_cpu.token_ids, strict=True)
+        ]
+
+
 @pytest.mark.parametrize("backend", ["tpu", "tpu-donate"])
 def test_a_compiled_cache_write_is_seen_and_kept(tpu, backend):
     """Each backend's program writes one position of a cache and reads the slot back: the read sees the
