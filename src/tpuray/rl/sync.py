@@ -40,11 +40,12 @@ import torch
 
 from tpuray.rl.collective import Channel, Rendezvous, check_metas, member, pack
 from tpuray.rl.weights import (
+    PartFn,
     Piece,
     WeightMismatchError,
     _own_storage,
+    embedded_part,
     part_range,
-    split_dim,
 )
 
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
@@ -103,28 +104,45 @@ def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, in
 
 
 def trainer_pieces(
-    state: Mapping[str, torch.Tensor], rank: int, tensor_parallel_size: int
+    state: Mapping[str, torch.Tensor], rank: int, tensor_parallel_size: int, part: PartFn = embedded_part
 ) -> list[dict[str, Piece]]:
-    """For each rollout rank, the pieces of its part that this trainer rank holds (name -> (first row
-    within the part, rows)); names are HF names, shapes are checked by the receiver."""
+    """For each rollout rank, the pieces of its part (in the layout of `part`) that this trainer rank
+    holds (name -> (first row within the part, rows)); names are HF names, shapes are checked by the
+    receiver."""
     out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
     for name, t in state.items():
         held = _row_offset(name, t, rank)
         if held is None:
             continue
-        local, a = held
-        b, dim = a + local.shape[0], split_dim(name)
-        for r in range(tensor_parallel_size):
-            lo, hi = part_range(t.shape[0], r, tensor_parallel_size) if dim == 0 else (0, t.shape[0])
-            lo, hi = max(lo, a), min(hi, b)
-            if lo >= hi:
-                continue
-            rows = local[lo - a : hi - a]
-            if dim == 1:
-                c0, c1 = part_range(t.shape[1], r, tensor_parallel_size)
-                rows = rows[:, c0:c1]
-            start = lo - (part_range(t.shape[0], r, tensor_parallel_size)[0] if dim == 0 else 0)
-            out[r][name] = (start, _own_storage(rows.contiguous()))
+        for r, piece in enumerate(row_pieces(name, *held, tuple(t.shape), tensor_parallel_size, part)):
+            if piece is not None:
+                out[r][name] = piece
+    return out
+
+
+def row_pieces(
+    name: str,
+    local: torch.Tensor,
+    first_row: int,
+    full_shape: tuple[int, ...],
+    tensor_parallel_size: int,
+    part: PartFn = embedded_part,
+) -> list[Piece | None]:
+    """For each rollout rank, the piece of its part of tensor `name` (of `full_shape`) within `local`,
+    the rows [first_row, first_row + len(local)) a trainer rank holds; None where they hold none of it."""
+    a, b = first_row, first_row + local.shape[0]
+    out: list[Piece | None] = []
+    for r in range(tensor_parallel_size):
+        p = part(name, full_shape, r, tensor_parallel_size)
+        rows = (p[1], p[2]) if p is not None and p[0] == 0 else (0, full_shape[0])
+        lo, hi = max(rows[0], a), min(rows[1], b)
+        if lo >= hi:
+            out.append(None)
+            continue
+        piece = local[lo - a : hi - a]
+        if p is not None and p[0] == 1:
+            piece = piece[:, p[1] : p[2]]
+        out.append((lo - rows[0], _own_storage(piece.contiguous())))
     return out
 
 

@@ -15,12 +15,15 @@ loading the same checkpoint from disk would:
 - `engine_tensors(model)`: the engine's own tensors under those names (what an update overwrites in place);
 - `put_shards(state, config, tensor_parallel_size)`: on the sender (a trainer rank), cut every rank's
   shards and put each in Ray's object store: a `ShardedUpdate`, so that each engine rank receives only its
-  part; `check_shards` is the receiving rank's check.
+  part; `check_shards` is the receiving rank's check;
+- `embedded_part(name, full_shape, rank, world_size)`: a rank's part of one HF tensor, as (dim, lo, hi);
+  `join_pieces` / `assemble` rebuild a rank's parts from the pieces trainer ranks sent. Both take the
+  layout as a `part` function: `embedded_part` by default, `tpuray.rl.vllm_layout.vllm_part` for vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +149,27 @@ def part_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
     """[lo, hi) of rank's chunk of `size` items, as `torch.chunk(world_size)[rank]` cuts it."""
     step = -(-size // world_size)
     return min(rank * step, size), min((rank + 1) * step, size)
+
+
+Part = tuple[int, int, int]  # (dim, lo, hi): a rank holds [lo, hi) of a tensor along dim
+PartFn = Callable[[str, tuple[int, ...], int, int], "Part | None"]  # (name, full shape, rank, world)
+
+
+def embedded_part(name: str, full_shape: tuple[int, ...], rank: int, world_size: int) -> Part | None:
+    """Rank's part of the full HF tensor `name` in the embedded engine's layout (`split_dim`,
+    `part_range`): (dim, lo, hi), or None where the tensor is replicated (every rank holds all of it)."""
+    dim = split_dim(name)
+    if dim is None:
+        return None
+    return (dim, *part_range(full_shape[dim], rank, world_size))
+
+
+def part_shape(full_shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:
+    """The shape of a rank's part of a tensor of `full_shape` (the full shape where it is replicated)."""
+    if part is None:
+        return tuple(full_shape)
+    dim, lo, hi = part
+    return tuple(hi - lo if d == dim else n for d, n in enumerate(full_shape))
 
 
 def cut(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -291,11 +315,16 @@ def check_shards(shards: Any, model: Any) -> None:
 Piece = tuple[int, torch.Tensor]  # (first row within the rollout rank's part, rows)
 
 
-def assemble(
-    received: list[dict[str, Piece]], config: Mapping[str, Any], rank: int, world_size: int
+def join_pieces(
+    received: list[dict[str, Piece]],
+    config: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    part: PartFn = embedded_part,
 ) -> dict[str, torch.Tensor]:
-    """Rollout rank `rank`'s fused shards from the pieces every trainer rank sent it; WeightMismatchError
-    names the first missing, unknown, misshapen or incomplete tensor (nothing is written)."""
+    """Rollout rank `rank`'s part of each HF tensor (keyed by HF name) from the pieces every trainer rank
+    sent it, in the layout of `part`; WeightMismatchError names the first missing, unknown, misshapen or
+    incomplete tensor. A tensor whose part is empty (none of its rows on this rank) may be left out."""
     expected = expected_shapes(config)
     allowed = {**expected, **optional_names(config)}
     by_name: dict[str, list[Piece]] = {}
@@ -304,30 +333,35 @@ def assemble(
             if name not in allowed:
                 raise WeightMismatchError(f"weight sync: unknown tensor {name!r}")
             by_name.setdefault(name, []).append(piece)
-    missing = [n for n in expected if n not in by_name]
+    shapes = {n: part_shape(s, part(n, s, rank, world_size)) for n, s in allowed.items()}
+    missing = [n for n in expected if n not in by_name and 0 not in shapes[n]]
     if missing:
         raise WeightMismatchError(
             f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
             f"({len(missing)} of {len(expected)})"
         )
-    return fuse({n: _join(n, ps, allowed[n], rank, world_size) for n, ps in by_name.items()}, config)
+    return {n: _join(n, ps, shapes[n], allowed[n]) for n, ps in by_name.items()}
 
 
-def _join(name: str, pieces: list[Piece], full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    shape = list(full)
-    dim = split_dim(name)
-    if dim is not None:
-        lo, hi = part_range(full[dim], rank, world)
-        shape[dim] = hi - lo
+def assemble(
+    received: list[dict[str, Piece]], config: Mapping[str, Any], rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """Rollout rank `rank`'s fused shards (the embedded engine's) from the pieces every trainer rank
+    sent it; WeightMismatchError names the first missing, unknown, misshapen or incomplete tensor
+    (nothing is written)."""
+    return fuse(join_pieces(received, config, rank, world_size), config)
+
+
+def _join(name: str, pieces: list[Piece], shape: tuple[int, ...], full: tuple[int, ...]) -> torch.Tensor:
     pieces = sorted(pieces, key=lambda p: p[0])
     row = 0
     for start, t in pieces:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise WeightMismatchError(f"weight sync: a piece of {name!r} is not a floating-point tensor")
-        if start != row or list(t.shape[1:]) != shape[1:]:
+        if start != row or tuple(t.shape[1:]) != shape[1:]:
             raise WeightMismatchError(
                 f"weight sync: {name!r} has a piece of shape {tuple(t.shape)} at row {start}; expected "
-                f"rows from {row} of a part of shape {tuple(shape)} (full shape {full})"
+                f"rows from {row} of a part of shape {shape} (full shape {full})"
             )
         row += t.shape[0]
     if row != shape[0]:
