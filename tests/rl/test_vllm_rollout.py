@@ -1,6 +1,7 @@
-"""tpuray.rl.RolloutEngine over real vLLM (its CPU build): engine choice at construction, and one run
-folding generate, update_weights (output changes; a mismatch is refused, the old weights kept) and
-sleep / wake_up's clear error on vLLM's CPU backend.
+"""tpuray.rl.RolloutEngine over real vLLM (its CPU build): engine choice at construction, and one RLRun
+with vLLM on an emulated slice folding generate, update_weights (output changes; a mismatch is refused,
+the old weights kept), sleep / wake_up's clear error on vLLM's CPU backend, and the trainer's updates
+reaching each vLLM worker as its own part.
 
 vLLM runs in a child process (with a timeout), as in tests/serve/test_engine_proof.py: vLLM's engine core
 is a spawned child of its client, and a client of a dead engine core can hang at garbage collection."""
@@ -23,11 +24,17 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory) -> tuple[str, str]:
-    """Two models vLLM's CPU attention can run (head_dim 32), same shapes, different weights."""
+    """Two models vLLM's CPU attention can run (head_dim 32), same shapes, different weights; one KV head
+    (so under TP=4 every vLLM rank holds a copy of it: tpuray.rl.vllm_layout)."""
     from tpuray.models import build_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("rl-vllm-models")
-    kw = {"hidden_size": 128, "num_attention_heads": 4, "max_position_embeddings": 256}
+    kw = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+    }
     return (
         str(build_tiny_causal_lm(root / "a", seed=0, **kw)),
         str(build_tiny_causal_lm(root / "b", seed=1, **kw)),
@@ -51,7 +58,7 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     assert RolloutConfig(vllm_models[0], **slice_kw).resolved_engine == "embedded"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="TPU=2 is not supported with vLLM"):
         RolloutConfig(vllm_models[0], engine="vllm", **slice_kw)  # type: ignore[arg-type]
-    # an RLRun's weight sync (each TP rank its part) loads into the embedded engine's workers only
+    # an RLRun's weight sync into vLLM's workers goes through the object store (no tpu_dist group there)
     from _rl_util import SCALING
 
     from tpuray.rl import RLConfig
@@ -59,92 +66,143 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
 
     on_vllm = RolloutConfig(vllm_models[0], engine="vllm", accelerator_type="TPU-V6E", topology="2x2")
     trainer = ScalingConfig(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
-    with pytest.raises(ConfigError, match=r"resolved to 'vllm' .*valid: RolloutConfig\(engine='embedded'\)"):
+    with pytest.raises(
+        ConfigError, match=r"weight_sync='tpu_dist' with a vLLM rollout engine.*'object_store'"
+    ):
         RLConfig(on_vllm, trainer)
+    RLConfig(on_vllm, trainer, weight_sync="object_store")
     with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
         RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")  # no sleep
 
 
 CHILD = """
-import sys, torch
+import sys, ray, torch
 from transformers import AutoModelForCausalLM
-from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
+from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
 from tpuray.rl.vllm_rollout import SleepModeUnavailable, VLLMRolloutEngine
 from tpuray.rl.vllm_worker import pack_state
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.train import RunConfig, ScalingConfig
 
-def main(a, b):
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = ["Hello world", "1 + 2 =", "The"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = ["Hello world", "1 + 2 =", "The"]
+
+def fsdp2_sender(config):
+    import tpuray.train.torch as tt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from tpuray import train
+    rl = config["rl"]
+    model = AutoModelForCausalLM.from_pretrained(config["path"], dtype=torch.float32).to(tt.get_device())
+    model = fully_shard(model, mesh=init_device_mesh(tt.get_device().type, (train.get_context().get_world_size(),)))
+    for k in range(rl.iterations):
+        rl.batch(k)
+        rl.send(model, version=k + 1)  # each rank its Shard(0) rows, cut per vLLM rank
+
+def greedy(engine):
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+def engine_checks(engine, state_a, state_b, seen):
+    assert isinstance(engine, VLLMRolloutEngine), type(engine)
+    assert engine.describe()["engine"] == "vLLM" and engine.tensor_parallel_size == 4
+    out = engine.generate(PROMPTS, GREEDY)
+    seen["a"] = tokens_a = [r.token_ids for r in out]
+    assert [len(t) for t in tokens_a] == [8] * 3 and all(r.finish_reason == "length" for r in out)
+    assert all(len(r.logprobs) == 8 and all(lp <= 0 for lp in r.logprobs) for r in out)
+    assert out[0].prompt_token_ids == engine.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    assert out[0].text == engine.tokenizer.decode(out[0].token_ids, skip_special_tokens=True)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    rows = [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)]
+    assert len({tuple(r) for r in rows} ) > 1, rows  # seed + i per prompt: distinct
+    assert rows == [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)]  # reproducible
+    stats = engine.update_weights(state_b)  # a full state dict: every worker gets all of it
+    assert stats.version == 1 and stats.bytes_written > 0, stats
+    seen["b"] = greedy(engine)
+    assert seen["b"] != tokens_a, seen["b"]
+    bad = dict(state_a, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 128)})
+    try:
+        engine.update_weights(bad)
+        raise AssertionError("a misshapen update was accepted")
+    except WeightMismatchError as e:
+        assert "'model.layers.0.mlp.up_proj.weight' has shape (3, 128)" in str(e), e
+    try:  # past the driver's check: each vLLM worker refuses it before any rank loads
+        engine._loop.run(engine._load("tpuray_stage_weights", (pack_state(bad),)))
+        raise AssertionError("the workers accepted a misshapen update")
+    except WeightMismatchError as e:
+        assert "up_proj.weight" in str(e), e
+    assert greedy(engine) == seen["b"]  # old weights kept
+    try:
+        engine.sleep()
+        raise AssertionError("sleep() on vLLM's CPU backend did not raise")
+    except SleepModeUnavailable as e:
+        assert "sleep mode is not available on platform" in str(e), e
+    assert not engine.asleep
+    engine.update_weights(state_a)
+    assert greedy(engine) == tokens_a  # a's output again
+    return tokens_a
+
+def main(a, b, storage):
+    ray.init()  # RAY_ADDRESS: the test's emulated cluster
     state_a = AutoModelForCausalLM.from_pretrained(a).state_dict()
     state_b = AutoModelForCausalLM.from_pretrained(b).state_dict()
-    with RolloutEngine(RolloutConfig(a, max_model_len=64, max_num_seqs=4, dtype="float32")) as engine:
-        assert isinstance(engine, VLLMRolloutEngine), type(engine)
-        assert engine.describe()["engine"] == "vLLM"
-        out = engine.generate(prompts, greedy)
-        tokens_a = [r.token_ids for r in out]
-        assert [len(t) for t in tokens_a] == [8] * 3 and all(r.finish_reason == "length" for r in out)
-        assert all(len(r.logprobs) == 8 and all(lp <= 0 for lp in r.logprobs) for r in out)
-        assert out[0].prompt_token_ids == engine.tokenizer.encode(prompts[0], add_special_tokens=False)
-        assert out[0].text == engine.tokenizer.decode(out[0].token_ids, skip_special_tokens=True)
-        sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
-        rows = [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)]
-        assert len({tuple(r) for r in rows} ) > 1, rows  # seed + i per prompt: distinct
-        assert rows == [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)]  # reproducible
+    seen = {}
 
-        stats = engine.update_weights(state_b)
-        assert stats.version == 1 and stats.bytes_written > 0, stats
-        tokens_b = [r.token_ids for r in engine.generate(prompts, greedy)]
-        assert tokens_b != tokens_a, tokens_b
+    def rollout_fn(engine, k):
+        if k == 0:
+            seen["engine"] = engine
+            return engine_checks(engine, state_a, state_b, seen)
+        return greedy(engine)
 
-        bad = dict(state_a, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 128)})
-        try:
-            engine.update_weights(bad)
-            raise AssertionError("a misshapen update was accepted")
-        except WeightMismatchError as e:
-            assert "'model.layers.0.mlp.up_proj.weight' has shape (3, 128)" in str(e), e
-        try:  # past the driver's check: each vLLM worker refuses it before any rank loads
-            engine._loop.run(engine._load(pack_state(bad)))
-            raise AssertionError("the workers accepted a misshapen update")
-        except WeightMismatchError as e:
-            assert "up_proj.weight" in str(e), e
-        assert [r.token_ids for r in engine.generate(prompts, greedy)] == tokens_b  # old weights kept
-        assert engine.version == 1
-
-        try:
-            engine.sleep()
-            raise AssertionError("sleep() on vLLM's CPU backend did not raise")
-        except SleepModeUnavailable as e:
-            assert "sleep mode is not available on platform CpuPlatform" in str(e), e
-        assert not engine.asleep
-        engine.update_weights(state_a)
-        assert [r.token_ids for r in engine.generate(prompts, greedy)] == tokens_a  # a's output again
+    rollout = RolloutConfig(
+        a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32",
+        accelerator_type="TPU-V6E", topology="2x2",
+    )
+    trainer = ScalingConfig(
+        num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 2}
+    )
+    rl = RLRun(
+        RLConfig(rollout, trainer, weight_sync="object_store"), fsdp2_sender,
+        train_loop_config={"path": b}, run_config=RunConfig(storage_path="file://" + storage, name="vllm-rl"),
+    )
+    result = rl.run(2, rollout_fn)
+    assert result.versions == [1, 2], result.versions
+    # batch 1: update 1, sent as per-rank pieces, gives b's tokens as b loaded whole did
+    assert result.batches == [seen["a"], seen["b"]], result.batches
+    full = sum(t.numel() * t.element_size() for t in state_b.values())
+    assert result.times[0].sync_bytes < 2 * full, (result.times[0].sync_bytes, full)  # a broadcast: 4x
     try:
-        engine.generate(prompts, greedy)
+        seen["engine"].generate(PROMPTS, GREEDY)
         raise AssertionError("generate after shutdown")
     except RuntimeError as e:
         assert "after shutdown" in str(e)
+    ray.shutdown()
     print("VLLM-ROLLOUT-OK", flush=True)
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
 """
 
 
-def test_vllm_rollout_generate_update_and_sleep(vllm_models, tmp_path):
-    """generate (tokens, logprobs, text, seeded batches), update_weights changes the output and back,
-    a misshapen update is refused by the driver and by the workers with the old weights kept,
-    sleep() names why vLLM's CPU backend cannot sleep; shutdown is explicit."""
+def test_vllm_rollouts_on_a_slice_in_an_rl_run(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
+    """vLLM (TP=4, one worker per chip) on one emulated v6e 2x2 slice as an RLRun's rollout engine, a
+    tpuray.train FSDP2 trainer on the other, weight_sync="object_store". Batch 0 folds the engine's own
+    checks: generate (tokens, logprobs, text, seeded batches), update_weights of a full state changes the
+    output and back, a misshapen update refused by the driver and by the workers with the old weights
+    kept, sleep() names why vLLM's CPU backend cannot sleep. Then the trainer's update 1 reaches each vLLM
+    worker as only its part (pieces cut in vLLM's layout: the one KV head copied to all 4 ranks) and
+    batch 1 shows the same tokens as the full load; shutdown is explicit. Nothing is left."""
+    from _util import alive_actors
+
     script = tmp_path / "vllm_rollout_child.py"
     script.write_text(CHILD)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        "RAY_ADDRESS": emulated_cluster.address,
     }
-    env.pop("RAY_ADDRESS", None)  # in this machine's CPU, no cluster
     out = subprocess.run(
-        [sys.executable, str(script), *vllm_models],
+        [sys.executable, str(script), *vllm_models, str(tmp_path / "runs")],
         capture_output=True,
         text=True,
         timeout=540,
@@ -152,3 +210,5 @@ def test_vllm_rollout_generate_update_and_sleep(vllm_models, tmp_path):
     )
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0 and "VLLM-ROLLOUT-OK" in out.stdout, tail
+    assert not alive_actors("TrainWorker") and not alive_actors("RayWorkerWrapper")
+    pg_leak_check()

@@ -103,12 +103,11 @@ class RLConfig:
             )
 
     def _check_disaggregated(self) -> None:
-        if self.rollout.resolved_engine != "embedded":
+        if self.rollout.resolved_engine == "vllm" and self.weight_sync != "object_store":
             raise ConfigError(
-                f"RLConfig.rollout: an RLRun's weight sync loads into the embedded engine's tensor-parallel "
-                f"workers; the rollout engine resolved to {self.rollout.resolved_engine!r} (vLLM's workers take "
-                "full tensors through its weight loaders: RolloutEngine.update_weights(state_dict)); valid: "
-                "RolloutConfig(engine='embedded')"
+                f"RLConfig.weight_sync={self.weight_sync!r} with a vLLM rollout engine: vLLM's workers pull "
+                "their pieces from Ray's object store (they join no tpu_dist group); valid: "
+                "weight_sync='object_store', or RolloutConfig(engine='embedded')"
             )
         if not self.rollout.on_slice or not self.trainer.use_tpu:
             raise ConfigError(

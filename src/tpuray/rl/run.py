@@ -131,6 +131,7 @@ class RLRun:
                 self.config.trainer_world_size,
                 self.config.sync_timeout_s,
                 self.config.weight_sync,
+                vllm_config=self._vllm_config(),
             )
         except BaseException:
             self._shutdown_engine()
@@ -154,6 +155,13 @@ class RLRun:
         finally:
             sync.shutdown()
             self._shutdown_engine()
+
+    def _vllm_config(self) -> dict | None:
+        """The model config a vLLM engine's layout is cut by (None: the embedded engine's layout)."""
+        if self.config.rollout.resolved_engine != "vllm":
+            return None
+        assert self._engine is not None  # disaggregated: colocated refuses vLLM
+        return self._engine.model_config
 
     def _shutdown_engine(self) -> None:
         engine, self._engine = self._engine, None

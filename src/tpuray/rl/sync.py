@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -39,6 +40,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from tpuray.rl.collective import Channel, Rendezvous, check_metas, member, pack
+from tpuray.rl.vllm_layout import vllm_part
 from tpuray.rl.weights import (
     PartFn,
     Piece,
@@ -201,6 +203,14 @@ class SyncTarget:
     iterations: int = 0  # of an RLRun: how many batches the driver sends
     channel: Channel | None = None  # weight_sync "tpu_dist": the group's rendezvous; None: object store
     colocated: bool = False  # of an RLRun: the rollout engine runs in the trainer's workers
+    vllm_config: Mapping[str, Any] | None = None  # the engine is vLLM: pieces cut in its layout (config.json)
+
+    @property
+    def part(self) -> PartFn:
+        """How a rollout rank's part of a tensor is cut: the embedded engine's layout, or vLLM's."""
+        if self.vllm_config is None:
+            return embedded_part
+        return functools.partial(vllm_part, config=self.vllm_config)
 
     def batch(self, k: int) -> Any:
         """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it. Colocated, the
@@ -237,7 +247,7 @@ class SyncTarget:
         import ray
 
         rank, attempt = _rank(), self._check_attempt()
-        pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size)
+        pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size, self.part)
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
         key = _weight_key(attempt, "weights", version, rank)
         if self.channel is None:
@@ -347,11 +357,17 @@ class WeightSync:
         trainer_world_size: int,
         timeout_s: float = 600.0,
         transport: Transport = "object_store",
+        vllm_config: Mapping[str, Any] | None = None,
     ) -> None:
         import ray
 
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid; valid: {', '.join(TRANSPORTS)}")
+        if vllm_config is not None and transport != "object_store":
+            raise ValueError(
+                f"transport={transport!r} with a vLLM rollout engine: its workers take their pieces from the "
+                "object store (they join no tpu_dist group); valid: transport='object_store'"
+            )
         self.world_size = trainer_world_size
         self.rendezvous = (
             Rendezvous(trainer_world_size, tensor_parallel_size, timeout_s)
@@ -360,7 +376,9 @@ class WeightSync:
         )
         self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(max_concurrency=1000).remote()
         channel = self.rendezvous.channel if self.rendezvous is not None else None
-        self.target = SyncTarget(self.mailbox, tensor_parallel_size, timeout_s, channel=channel)
+        self.target = SyncTarget(
+            self.mailbox, tensor_parallel_size, timeout_s, channel=channel, vllm_config=vllm_config
+        )
 
     def put(self, key: str, value: Any) -> None:
         import ray

@@ -22,12 +22,14 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import RolloutEngine, UpdateStats
 from tpuray.rl.protocol import GenerationEngine
+from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
@@ -134,47 +136,113 @@ class VLLMGeneration(PromptEncoder):
         self.vllm.shutdown()
 
 
+class _PieceHolder:
+    """A rank -> ObjectRefs board for one update (a named Ray actor, no CPU): vLLM's workers look it up by
+    name and take their rank's refs, so the refs travel through Ray (borrowed), not vLLM's RPC."""
+
+    def __init__(self) -> None:
+        self.refs: list[list[Any]] | None = None
+
+    def put(self, refs: list[list[Any]] | None) -> None:
+        self.refs = refs
+
+    def get(self, rank: int) -> list[Any]:
+        if self.refs is None:
+            raise RuntimeError("no update is being staged")
+        return self.refs[rank]
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """`RolloutEngine` over vLLM (see the module docstring); made by `RolloutEngine(config)`."""
 
     engine_name = "vllm"
 
     _engine: VLLMGeneration
+    _pieces: Any = None  # the _PieceHolder actor, made at the first TrainerUpdate
+    _pieces_name = ""
 
     def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
         return VLLMGeneration(config)
 
     def update_weights(self, update: Any) -> UpdateStats:
         """Load a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
-        `model.state_dict()`) into every vLLM worker. Every name and shape is checked before anything is
-        written (here, and again on each rank before any rank loads): WeightMismatchError names the first
-        missing, unknown or misshapen tensor and the engine keeps its current weights. vLLM's weight
-        loaders cut each rank's tensor-parallel part; `ShardedUpdate`s and ObjectRefs are the embedded
-        engine's (`RolloutConfig(engine="embedded")`)."""
+        `model.state_dict()`) into every vLLM worker, or a `TrainerUpdate` (`tpuray.rl.sync`, an RLRun's
+        trainer ranks over weight_sync="object_store", cut in vLLM's tensor-parallel layout:
+        `tpuray.rl.vllm_layout`), of which each worker pulls only the pieces of its own part. Every name and
+        shape is checked before anything is written (a state dict here, and on each rank before any rank
+        loads): WeightMismatchError names the first missing, unknown or misshapen tensor and the engine
+        keeps its current weights. `ShardedUpdate`s and bare ObjectRefs are the embedded engine's
+        (`RolloutConfig(engine="embedded")`)."""
         self._check_open("update_weights")
         start = time.perf_counter()
-        if not isinstance(update, Mapping):
+        if isinstance(update, TrainerUpdate):
+            stage = self._trainer_update(update)
+        elif isinstance(update, Mapping):
+            check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
+            stage = ("tpuray_stage_weights", (pack_state(update),))
+        else:
             raise WeightMismatchError(
-                f"the vLLM rollout engine takes a state dict (name -> torch.Tensor), got "
+                f"the vLLM rollout engine takes a state dict (name -> torch.Tensor) or a TrainerUpdate, got "
                 f"{type(update).__name__}; ShardedUpdate / ObjectRef updates need engine='embedded'"
             )
-        check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
         with self._lock:
             if self._asleep:
                 raise RuntimeError("RolloutEngine.update_weights while asleep (vLLM): call wake_up() first")
-            written = self._loop.run(self._load(pack_state(update)))
+            try:
+                written = self._loop.run(self._load(*stage))
+            finally:
+                self._drop_pieces()
             self.version += 1
         return UpdateStats(written, time.perf_counter() - start, self.version)
 
-    async def _load(self, packed: dict[str, Any]) -> int:
+    def _trainer_update(self, update: TrainerUpdate) -> tuple[str, tuple]:
+        """Park each rank's ObjectRefs in a named holder actor, from which each vLLM worker (a Ray actor
+        of vLLM's Ray executor) takes its own: only names pass vLLM's RPC, only a rank's pieces reach it."""
+        import ray
+
+        if update.channel is not None:
+            raise ValueError(
+                "a TrainerUpdate over weight_sync='tpu_dist' cannot reach vLLM's workers (they join no "
+                "tpu_dist group); valid: weight_sync='object_store'"
+            )
+        if update.tensor_parallel_size != self.tensor_parallel_size:
+            raise WeightMismatchError(
+                f"a TrainerUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine runs "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        if self._pieces is None:
+            name = f"tpuray-vllm-pieces-{uuid.uuid4().hex[:12]}"
+            self._pieces = ray.remote(_PieceHolder).options(name=name, num_cpus=0).remote()
+            self._pieces_name = name
+        ray.get(self._pieces.put.remote([list(refs) for refs in update.refs]))
+        namespace = ray.get_runtime_context().namespace
+        return "tpuray_stage_pieces", (self._pieces_name, namespace)
+
+    def _drop_pieces(self) -> None:
+        import ray
+
+        if self._pieces is not None:
+            ray.get(self._pieces.put.remote(None))
+
+    def shutdown(self) -> None:
+        import ray
+
+        holder, self._pieces = self._pieces, None
+        if holder is not None:
+            ray.kill(holder)
+        super().shutdown()
+
+    async def _load(self, method: str, args: tuple) -> int:
         client = self._engine.client
         try:
-            await client.collective_rpc("tpuray_stage_weights", args=(packed,))
-        except Exception as e:
+            staged = await client.collective_rpc(method, args=args)
+        except Exception:
             await client.collective_rpc("tpuray_discard_weights")
-            if "WeightMismatchError" in str(e) or "weight update:" in str(e):
-                raise WeightMismatchError(str(e)) from None
             raise
+        refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
+        if refused:
+            await client.collective_rpc("tpuray_discard_weights")
+            raise WeightMismatchError(refused[0])
         written = int(sum(await client.collective_rpc("tpuray_commit_weights")))
         await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
         return written

@@ -7,10 +7,15 @@ name and shape against the model's config.json with `tpuray.rl.weights.check_sta
 shared with the embedded engine) and keeps the update; only when every rank staged does
 `tpuray_commit_weights` load it with vLLM's in-place reload (the model's own `load_weights`, whose
 weight loaders fuse q/k/v and gate/up and keep this rank's tensor-parallel part). `tpuray_discard_weights` drops a staged update.
+A refusal is returned by the stage call, not raised (an error raised by one worker of vLLM's Ray executor
+can come back again from the next `collective_rpc`).
 
-Tensors travel through vLLM's engine-core RPC (msgpack), which carries bytes but not tensors inside
-`collective_rpc` arguments: `pack_state` / `unpack_state` send each tensor as (dtype, shape, raw bytes).
-No vllm import here: vLLM imports this module by its qualified name in every worker.
+A full state dict travels through vLLM's engine-core RPC (msgpack), which carries bytes but not tensors
+inside `collective_rpc` arguments: `pack_state` / `unpack_state` send each tensor as (dtype, shape, raw
+bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass
+the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs from a named holder actor and pulls only its
+own pieces (cut in vLLM's layout: rl/vllm_layout.py); commit loads them as sparse full-shape tensors.
+No top-level vllm import here: vLLM imports this module by its qualified name in every worker.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tpuray.rl.weights import check_state, shapes_of
+from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 
 EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
 Packed = dict[str, tuple[str, list[int], bytes]]
@@ -53,14 +58,50 @@ class WeightsExtension:
     model_config: Any
     reload_weights: Any  # vLLM Worker.reload_weights
     _tpuray_staged: dict[str, torch.Tensor] | None = None  # a mixin: vLLM never calls our __init__
+    _tpuray_parts: dict[str, torch.Tensor] | None = None  # this rank's parts of a TrainerUpdate
 
-    def tpuray_stage_weights(self, packed: Mapping[str, Any]) -> int:
-        """Check the update (WeightMismatchError names the first missing, unknown or misshapen tensor;
-        nothing is staged) and keep it; returns the bytes staged."""
+    def _tpuray_config(self) -> dict[str, Any]:
+        return json.loads((Path(self.model_config.model) / "config.json").read_text())
+
+    def tpuray_stage_pieces(self, holder: str, namespace: str) -> int | str:
+        """A TrainerUpdate's pieces for this rank (vLLM's tensor-parallel rank), taken from the named
+        holder actor (tpuray.rl.vllm_rollout) and joined into this rank's part of each HF tensor; returns
+        the bytes staged, or (as tpuray_stage_weights) the message naming the first missing, unknown or
+        misshapen tensor (nothing is staged)."""
+        import functools
+
+        import ray
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from tpuray.rl.vllm_layout import vllm_part
+        from tpuray.rl.weights import join_pieces
+
+        self._tpuray_parts = None
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "tpuray_stage_pieces runs in vLLM workers of its Ray executor (a rollout engine on a TPU "
+                "slice); this worker is not connected to Ray"
+            )
+        rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        refs = ray.get(ray.get_actor(holder, namespace=namespace).get.remote(rank))
+        config = self._tpuray_config()
+        part = functools.partial(vllm_part, config=config)
+        try:
+            self._tpuray_parts = join_pieces(list(ray.get(refs)), config, rank, world, part)
+        except WeightMismatchError as e:
+            return str(e)
+        return sum(t.numel() * t.element_size() for t in self._tpuray_parts.values())
+
+    def tpuray_stage_weights(self, packed: Mapping[str, Any]) -> int | str:
+        """Check the update and keep it; returns the bytes staged, or the WeightMismatchError's message
+        (the first missing, unknown or misshapen tensor; nothing is staged). Returned, not raised: an
+        error raised by one worker of vLLM's Ray executor can surface again in the next collective_rpc."""
         self._tpuray_staged = None
         state = unpack_state(packed)
-        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
-        check_state(shapes_of(state), config)
+        try:
+            check_state(shapes_of(state), self._tpuray_config())
+        except WeightMismatchError as e:
+            return str(e)
         self._tpuray_staged = state
         return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -69,10 +110,20 @@ class WeightsExtension:
         `load_weights` between vLLM's layer-wise reload hooks, which redo the backend's weight processing,
         e.g. the CPU backend's repacked GEMM weights); returns the bytes of this rank's parameters."""
         staged, self._tpuray_staged = self._tpuray_staged, None
-        if staged is None:
+        parts, self._tpuray_parts = self._tpuray_parts, None
+        if parts is not None:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            from tpuray.rl.vllm_layout import sparse_tensors
+
+            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            # full-shape tensors holding only this rank's blocks: vLLM's loaders read exactly those
+            self.reload_weights(weights_iterator=sparse_tensors(parts, self._tpuray_config(), rank, world))
+        elif staged is not None:
+            self.reload_weights(weights_iterator=iter(staged.items()))
+        else:
             raise RuntimeError("tpuray_commit_weights without a staged update (tpuray_stage_weights first)")
-        self.reload_weights(weights_iterator=iter(staged.items()))
         return sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
 
     def tpuray_discard_weights(self) -> None:
-        self._tpuray_staged = None
+        self._tpuray_staged = self._tpuray_parts = None
