@@ -1,7 +1,7 @@
 """RLRun placement on a real emulated cluster: colocated (one v6e 2x2 slice, the rollout engine inside the
-trainer's two workers, sleeping while they train), a trainer worker killed mid-run, a rollout worker
-killed mid-run (replaced), and the atomic reservation of a disaggregated run whose second slice cannot be
-had."""
+trainer's two workers, sleeping while they train), a trainer worker killed mid-run, and the atomic
+reservation of a disaggregated run whose second slice cannot be had (a rollout worker killed and
+replaced: test_sync.py)."""
 
 from __future__ import annotations
 
@@ -124,38 +124,4 @@ def test_trainer_worker_killed_restarts_from_its_checkpoint(
     out = result.train_result.return_value  # rank 0 of the attempt that finished
     assert (out["attempt"], out["start"]) == (1, 1)  # restarted, resumed from its checkpoint
     assert out["seen"] == result.batches[1:]  # batch 1 handed again, then batch 2
-    _no_group_left(pg_leak_check)
-
-
-def test_rollout_worker_killed_is_replaced(emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path):
-    """Disaggregated over the object store with RLConfig(rollout_max_failures=1): a rollout worker killed
-    (ray.kill) before batch 1 is generated fails rollout_fn with RolloutEngineError; the run shuts that
-    engine down, reserves the rollout slice again, reloads update 1 into the new engine from the
-    ObjectRefs it holds and calls rollout_fn(engine, 1) again: batch 1 shows the update's tokens. Nothing
-    is left."""
-    from tpuray.train import RunConfig, ScalingConfig
-
-    engines: list = []
-
-    def killing(engine, k: int) -> list:
-        engines.append(engine)
-        if k == 1 and len(engines) == 2:
-            ray.kill(engine.group.actors[1], no_restart=True)
-        return _greedy(engine)
-
-    rl = RLRun(
-        RLConfig(
-            slice_rollout_config(tiny_models[0]),
-            ScalingConfig(**SCALING),
-            weight_sync="object_store",
-            rollout_max_failures=1,
-        ),
-        _rl_loops.rl_loop,
-        train_loop_config={"path": tiny_models[1], "strategy": "ddp"},
-        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="rollout-restart"),
-    )
-    result = rl.run(2, killing)
-    assert result.rollout_restarts == 1 and result.versions == [1, 2]
-    assert result.batches == [reference[w] for w in "ab"]  # batch 1: the new engine, update 1 reloaded
-    assert len(engines) == 3 and engines[1] is engines[0] and engines[2] is not engines[1]
     _no_group_left(pg_leak_check)

@@ -118,21 +118,25 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
     on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
     rollout rank, and the engine generates the sent model's tokens one batch later. DDP sequential over
-    the object store: rank 0 sends all, the tokens change from the next batch on, then an update missing a
-    tensor is refused (check_metas above refuses one over tpu_dist from its metadata). Then (tpu_dist, the
+    the object store: rank 0 sends all, a rollout worker killed before batch 1 is replaced
+    (RLConfig.rollout_max_failures=1: a new engine, the last update reloaded), the tokens change from the
+    next batch on, then an update missing a tensor is refused (check_metas above refuses one over tpu_dist from its metadata). Then (tpu_dist, the
     group spanning both sides) a rollout worker dies. A failure or refusal ends the run with RLRunError
     (the trainer's own failure: test_placement.py); no worker or placement group is left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
 
-    def run(name: str, overlap: bool, iterations: int, rollout_fn, sync="object_store", **loop_config):
+    def run(
+        name: str, overlap: bool, iterations: int, rollout_fn, sync="object_store", restarts=0, **loop_config
+    ):
         rl = RLRun(
             RLConfig(
                 slice_rollout_config(tiny_models[0]),
                 ScalingConfig(**SCALING),
                 overlap=overlap,
                 weight_sync=sync,
+                rollout_max_failures=restarts,
             ),
             _rl_loops.rl_loop,
             train_loop_config={"path": tiny_models[1], **loop_config},
@@ -154,17 +158,23 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     assert all(full < t.sync_bytes < 2 * full and t.sync > 0 for t in result.times)  # TP=2: replicated x2
 
     seen: list = []
+    engines: list = []
 
     def recording(engine: RolloutEngine, k: int) -> list:
+        engines.append(engine)
+        if k == 1 and len(engines) == 2:  # a rollout worker dies: rollout_max_failures=1 replaces the engine
+            ray.kill(engine.group.actors[1], no_restart=True)
         seen.append(_greedy(engine))
         return seen[-1]
 
-    # DDP over the object store: rank 0 sends all, the tokens change from the next batch on; update 3
+    # DDP over the object store: rank 0 sends all, the tokens change from the next batch on (batch 1 from a
+    # new engine, its killed predecessor's update 1 reloaded from the ObjectRefs the run holds); update 3
     # lacks a tensor and is refused before anything is written (the engine keeps update 2), ending the run
     drop = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(RLRunError, match=rf"update 3 was refused: .*'{drop}' .* is missing"):
-        run("ddp", False, 3, recording, strategy="ddp", drop=drop, drop_at=2)
+        run("ddp", False, 3, recording, restarts=1, strategy="ddp", drop=drop, drop_at=2)
     assert seen == [reference[w] for w in "abb"]
+    assert len(engines) == 4 and engines[1] is engines[0] and engines[2] is not engines[1]
     assert not alive_actors("TrainWorker")
     pg_leak_check()
 
