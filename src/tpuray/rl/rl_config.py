@@ -45,7 +45,9 @@ class RLConfig:
     the driver, each rollout rank pulls its objects and checks them (no process group between the two
     sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
     placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
-    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
+    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there; and
+    of a vLLM rollout engine (its workers pull their rank's pieces, cut in vLLM's layout, from the object
+    store: they join no tpu_dist group)."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     rollout_max_failures: int = 0
