@@ -236,11 +236,7 @@ class RolloutEngine:
         self._check_open("update_weights")
         start = time.perf_counter()
         if isinstance(update, ShardedUpdate | TrainerUpdate):
-            if update.tensor_parallel_size != self.tensor_parallel_size:
-                raise WeightMismatchError(
-                    f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
-                    f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
-                )
+            self._check_parallel(update)
             if isinstance(update, TrainerUpdate) and update.channel is not None and self._local is not None:
                 raise ValueError(
                     "a TrainerUpdate over weight_sync='tpu_dist' needs the engine's workers on a slice "
@@ -267,6 +263,14 @@ class RolloutEngine:
                     raise self._failed(e) from e
             self.version += 1
         return UpdateStats(written, time.perf_counter() - start, self.version)
+
+    def _check_parallel(self, update: ShardedUpdate | TrainerUpdate) -> None:
+        """A pre-cut update must be cut for this engine's tensor-parallel size (WeightMismatchError)."""
+        if update.tensor_parallel_size != self.tensor_parallel_size:
+            raise WeightMismatchError(
+                f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
+                f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
+            )
 
     def _update_workers(self, update: Any) -> int:
         import ray

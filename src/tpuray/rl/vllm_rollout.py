@@ -175,11 +175,13 @@ class VLLMRolloutEngine(RolloutEngine):
         (`RolloutConfig(engine="embedded")`)."""
         self._check_open("update_weights")
         start = time.perf_counter()
+        args: tuple = ()
         if isinstance(update, TrainerUpdate):
-            stage = self._trainer_update(update)
+            self._check_trainer_update(update)
+            method = "tpuray_stage_pieces"
         elif isinstance(update, Mapping):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
-            stage = ("tpuray_stage_weights", (pack_state(update),))
+            method, args = "tpuray_stage_weights", (pack_state(update),)
         else:
             raise WeightMismatchError(
                 f"the vLLM rollout engine takes a state dict (name -> torch.Tensor) or a TrainerUpdate, got "
@@ -189,34 +191,34 @@ class VLLMRolloutEngine(RolloutEngine):
             if self._asleep:
                 raise RuntimeError("RolloutEngine.update_weights while asleep (vLLM): call wake_up() first")
             try:
-                written = self._loop.run(self._load(*stage))
+                if isinstance(update, TrainerUpdate):  # parked only once nothing else can refuse it
+                    args = self._park(update)
+                written = self._loop.run(self._load(method, args))
             finally:
                 self._drop_pieces()
             self.version += 1
         return UpdateStats(written, time.perf_counter() - start, self.version)
 
-    def _trainer_update(self, update: TrainerUpdate) -> tuple[str, tuple]:
-        """Park each rank's ObjectRefs in a named holder actor, from which each vLLM worker (a Ray actor
-        of vLLM's Ray executor) takes its own: only names pass vLLM's RPC, only a rank's pieces reach it."""
-        import ray
-
+    def _check_trainer_update(self, update: TrainerUpdate) -> None:
         if update.channel is not None:
             raise ValueError(
                 "a TrainerUpdate over weight_sync='tpu_dist' cannot reach vLLM's workers (they join no "
                 "tpu_dist group); valid: weight_sync='object_store'"
             )
-        if update.tensor_parallel_size != self.tensor_parallel_size:
-            raise WeightMismatchError(
-                f"a TrainerUpdate for tensor_parallel_size={update.tensor_parallel_size}; this engine runs "
-                f"tensor_parallel_size={self.tensor_parallel_size}"
-            )
+        self._check_parallel(update)
+
+    def _park(self, update: TrainerUpdate) -> tuple[str, str]:
+        """Park each rank's ObjectRefs in a named holder actor, from which each vLLM worker (a Ray actor
+        of vLLM's Ray executor) takes its own: only names pass vLLM's RPC, only a rank's pieces reach it.
+        Returns (holder name, namespace), what the workers are given."""
+        import ray
+
         if self._pieces is None:
             name = f"tpuray-vllm-pieces-{uuid.uuid4().hex[:12]}"
             self._pieces = ray.remote(_PieceHolder).options(name=name, num_cpus=0).remote()
             self._pieces_name = name
         ray.get(self._pieces.put.remote([list(refs) for refs in update.refs]))
-        namespace = ray.get_runtime_context().namespace
-        return "tpuray_stage_pieces", (self._pieces_name, namespace)
+        return self._pieces_name, ray.get_runtime_context().namespace
 
     def _drop_pieces(self) -> None:
         import ray
