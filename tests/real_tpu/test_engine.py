@@ -75,7 +75,7 @@ def test_a_reused_cache_slot_gives_the_same_tokens(tpu, trained_model, highest_p
 
 
 def test_dense_cache_writes_give_the_cpu_tokens(tpu, trained_model, highest_precision):
-    """The decode step a real TPU runs for batches of 16+ rows (K/V written densely, attention as
+    """The decode step a real TPU runs for batches of 2+ rows (K/V written densely, attention as
     matmuls: kv_cache.dense_writer), forced here at every batch size: the CPU's greedy tokens, alone and
     with four sequences decoding together."""
     kw = dict(max_num_seqs=4, max_model_len=256, dtype="float32")

@@ -31,10 +31,11 @@ PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of pr
 
 KVWrite = Literal["auto", "scatter", "dense"]
 """How a decode step stores its K/V (kv_cache.py): "scatter", "dense", or "auto": dense for decode
-batches of DENSE_WRITE_MIN_ROWS or more on a real TPU (a batch-32 step of the 1.1B model: 13.7 ms with
-scatters, 4.6 ms dense; batch 1: 3.3 vs 7.1 ms), scatter elsewhere."""
+batches of DENSE_WRITE_MIN_ROWS or more on a real TPU, scatter elsewhere. A decode step of the 1.1B model
+on a v5e (benchmarks/README.md): batch 1 3.3 ms with a scatter, 7.1 dense; batches 2-32 10.3-13.7 ms
+with scatters, 4.4-4.6 dense."""
 
-DENSE_WRITE_MIN_ROWS = 16
+DENSE_WRITE_MIN_ROWS = 2
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 
