@@ -6,7 +6,7 @@ under fuzzing driven by that document (issue 22, item 6):
   vLLM's start-up once for both.
 Every fuzzed request gets an answer below 500 within its timeout, a documented response (validated against
 the document's schema with jsonschema), and the model answers a normal request afterwards.
-TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200).
+TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200 here, 100 on vLLM in test_vllm.py).
 The same app answers the malformed and unusual requests of issue 22, item 5 over HTTP (test_bad_input.py
 checks the rest of them in process)."""
 

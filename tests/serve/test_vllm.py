@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from _engine_death import Load, kill_under_load
-from _openapi_fuzz import EXAMPLES, fuzz_app
+from _openapi_fuzz import VLLM_EXAMPLES, fuzz_app
 from _schemas import PERSON
 
 from _util import live_placement_groups, new_placement_groups
@@ -424,7 +424,7 @@ def test_fuzz_from_the_openapi_document_on_vllm(app):
     """test_http_fuzz.py's fuzz (issue 22, item 6), on this app's vLLM TP=1 model: no 5xx, no hang, every
     answer as its document says; here so that vLLM starts once for both."""
     document = httpx.get(app[0] + "/openapi.json", timeout=60).json()
-    fuzz_app(app[0], document, TP1, EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
+    fuzz_app(app[0], document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):

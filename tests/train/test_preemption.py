@@ -20,7 +20,11 @@ from tpuray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupErr
 from tpuray.train.torch import TorchTrainer  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_loops)
-SCALING = dict(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
+# two workers of two chips: preemption handling does not depend on one process per chip, and half the
+# worker processes start on this 2-core machine
+SCALING = dict(
+    num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 2}
+)
 
 
 def _fit_with_preemptions(cluster, tmp_path, failure_config: FailureConfig, signal_at: list[int]):
@@ -100,14 +104,14 @@ def test_preempted_slice_resumes_on_the_spare_and_preemptions_count_apart(
     history = result.metrics_history
     steps = [m["step"] for m in history]
     assert steps == list(range(1, len(steps) + 1))  # every step exactly once
-    assert all(m["sum"] == 4.0 for m in history)  # the all_reduce really ran across the 4 workers
+    assert all(m["sum"] == 2.0 for m in history)  # the all_reduce really ran across the 2 workers
     first = [m for m in history if m["attempt"] == 0]
     resumed = [m for m in history if m["attempt"] == 1]
     for attempt, (preemption, _) in zip((first, resumed), preemptions, strict=True):
         # The loop saw the notice (Ray's shape: deadline, every rank of the slice) and checkpointed.
         told = [m for m in attempt if m["notice_deadline_ms"] is not None]
         assert told and told[0]["notice_deadline_ms"] == int(preemption.deadline * 1000)
-        assert told[0]["notice_ranks"] == [0, 1, 2, 3]
+        assert told[0]["notice_ranks"] == [0, 1]
     # No step made before the first notice was lost: the run resumed at or after the last one ...
     (preemption, noticed) = preemptions[0]
     assert resumed[0]["resumed_from"] >= max(m["step"] for m in first if m["t"] < noticed)

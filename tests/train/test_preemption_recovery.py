@@ -27,13 +27,21 @@ from tpuray.train.torch import TorchTrainer  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_loops)
 V6E_2X2 = dict(use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
+# two workers of two chips per slice: what these tests order (reservation, loss, restart, MEGASCALE_*) does not
+# depend on one process per chip, and half the worker processes start on this 2-core machine
+PER_SLICE = 2
 
 
 def _trainer(tmp_path, name: str, config: dict, num_slices: int = 1, max_failures: int = 0) -> TorchTrainer:
     return TorchTrainer(
         _loops.preemptible_loop,
         train_loop_config={"step_s": 0.2, **config},
-        scaling_config=ScalingConfig(num_workers=4 * num_slices, num_slices=num_slices, **V6E_2X2),
+        scaling_config=ScalingConfig(
+            num_workers=PER_SLICE * num_slices,
+            num_slices=num_slices,
+            resources_per_worker={"TPU": 4 // PER_SLICE},
+            **V6E_2X2,
+        ),
         run_config=RunConfig(
             storage_path=str(tmp_path),
             name=name,
@@ -90,9 +98,9 @@ def test_slice_lost_while_workers_start_resumes_on_the_spare(
 
     before = set(placement_group_table())
 
-    def reserved() -> str | None:  # the run's worker placement group (4 chip bundles), once placed
+    def reserved() -> str | None:  # the run's worker placement group (a bundle per worker), once placed
         for pg_id, pg in placement_group_table().items():
-            if pg_id not in before and pg["state"] == "CREATED" and len(pg["bundles"]) == 4:
+            if pg_id not in before and pg["state"] == "CREATED" and len(pg["bundles"]) == PER_SLICE:
                 return pg["bundles_to_node_id"][0]
         return None
 
@@ -111,7 +119,7 @@ def test_slice_lost_while_workers_start_resumes_on_the_spare(
         assert (result.num_preemptions, result.num_failures) == ((1, 0) if how == "notice" else (0, 1))
         history = result.metrics_history
         assert [m["step"] for m in history] == list(range(1, 7))
-        assert all(m["sum"] == 4.0 for m in history)  # a real all_reduce over the 4 workers
+        assert all(m["sum"] == PER_SLICE for m in history)  # a real all_reduce over the workers
         assert all(m["node_id"] not in lost for m in history)  # all on the spare slice
     finally:
         bring_back()  # the node pool brings the slice back
@@ -138,26 +146,27 @@ def test_multislice_run_waits_for_the_replacement_and_recomputes_megascale(
         assert not isinstance(result, BaseException), result
         assert result.num_preemptions == 1 and result.num_failures == 0
         assert [m["step"] for m in result.metrics_history] == list(range(1, 11))
-        assert all(m["sum"] == 8.0 for m in result.metrics_history)  # all_reduce over both slices
+        world = 2 * PER_SLICE
+        assert all(m["sum"] == world for m in result.metrics_history)  # all_reduce over both slices
         assert preemption.wait_restored(timeout_s=300)
         envs = {}
         for path in env_dir.glob("attempt*-rank*.json"):
             doc = json.loads(path.read_text())
             envs[doc["attempt"], doc["rank"]] = doc
-        assert sorted(envs) == [(a, r) for a in (0, 1) for r in range(8)]
+        assert sorted(envs) == [(a, r) for a in (0, 1) for r in range(world)]
         for attempt in (0, 1):
-            ranks = [envs[attempt, r] for r in range(8)]
+            ranks = [envs[attempt, r] for r in range(world)]
             coordinator = f"{ranks[0]['node_ip']}:8081"  # rank 0's host, this attempt
             for doc in ranks:
                 assert doc["MEGASCALE_COORDINATOR_ADDRESS"] == coordinator
                 assert doc["MEGASCALE_PORT"] == "8081" and doc["MEGASCALE_NUM_SLICES"] == "2"
-                assert doc["MEGASCALE_SLICE_ID"] == str(doc["rank"] // 4)
+                assert doc["MEGASCALE_SLICE_ID"] == str(doc["rank"] // PER_SLICE)
             # one slice per MEGASCALE_SLICE_ID, the two different
-            names = [{d["TPU_NAME"] for d in ranks[i * 4 : (i + 1) * 4]} for i in (0, 1)]
+            names = [{d["TPU_NAME"] for d in ranks[i * PER_SLICE : (i + 1) * PER_SLICE]} for i in (0, 1)]
             assert all(len(n) == 1 for n in names) and names[0] != names[1]
         lost = set(preemption.node_ids)
         assert envs[0, 0]["node_id"] in lost  # the coordinator's host was the one preempted...
-        resumed = [envs[1, r] for r in range(8)]
+        resumed = [envs[1, r] for r in range(world)]
         assert not {d["node_id"] for d in resumed} & lost  # ...and no worker of attempt 1 is on a lost host
         assert set(preemption.restored_node_ids) <= {d["node_id"] for d in resumed}  # but on its replacement
     finally:
