@@ -36,7 +36,11 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
         _loops.resumable_loop,
         train_loop_config={"epochs": 5, "kill_after": 3, "marker": str(marker)},
         scaling_config=ScalingConfig(  # two workers of two chips: half the processes to restart
-            num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 2}
+            num_workers=2,
+            use_tpu=True,
+            topology="2x2",
+            accelerator_type="TPU-V6E",
+            resources_per_worker={"TPU": 2},
         ),
         run_config=RunConfig(
             storage_path=str(tmp_path / "results"), name="ft", failure_config=FailureConfig(max_failures=1)
