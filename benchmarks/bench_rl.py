@@ -15,7 +15,10 @@ Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
 Transports (`RLConfig(weight_sync=...)`): an RLRun per transport (FSDP2 trainer of 2 workers on one
 slice, TP=2 engine on the other) sends the same weights every iteration; seconds per `rl.send` on trainer
 rank 0 against the raw transfer of the same bytes between plain actors on the same hosts (object store:
-ray.put + ray.get; tpu_dist: send / recv over a group made the same way). `--only sync` stops there.
+ray.put + ray.get; tpu_dist: send / recv over a group made the same way). Where vLLM is installed, one
+more RLRun syncs over the object store into vLLM TP=4 on the rollout slice (one vLLM worker per chip,
+each pulling only its part, cut in vLLM's layout), against the same raw transfer of the bytes its four
+ranks receive. `--only sync` stops there.
 
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
                                             [--only all|sync]
@@ -218,32 +221,45 @@ def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
     return {"object_store": statistics.median(store[1:]), "tpu_dist": statistics.median(coll[1:])}
 
 
+VLLM_ROW = "object_store -> vLLM TP=4"
+
+
 def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, int]]:
     """For each weight_sync: (median seconds per sync seen by trainer rank 0, median raw transfer seconds
     of the same bytes between the same hosts, bytes per sync), FSDP2 trainer of 2 workers x 2 chips on
-    one emulated v6e 2x2 -> TP=2 rollout engine on the other."""
+    one emulated v6e 2x2 -> TP=2 embedded rollout engine on the other; where vLLM is installed, also
+    object_store into vLLM TP=4 (one vLLM worker per chip, each pulling only its part)."""
+    from tpuray.serve.llm.engine.vllm import vllm_available
+
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
         path = _model(args, Path(root))
+        runs = [("object_store", "object_store", "embedded"), ("tpu_dist", "tpu_dist", "embedded")]
+        if vllm_available():
+            runs.append((VLLM_ROW, "object_store", "vllm"))
         out = {}
-        for transport in ("object_store", "tpu_dist"):
-            seconds, nbytes, senders, tp = _sync_run(path, transport, args.rounds)
+        for row, transport, engine in runs:
+            seconds, nbytes, senders, tp = _sync_run(path, transport, args.rounds, engine)
             share = nbytes // (senders * tp) // 4  # FSDP2 Shard(0): each rank holds about half of each part
             raw = bench_raw([[share * 4] * tp for _ in range(senders)], args.rounds)
-            out[transport] = (seconds, raw[transport], nbytes)
+            out[row] = (seconds, raw[transport], nbytes)
         return out
 
 
-def _sync_run(path: Path, transport: str, rounds: int) -> tuple[float, int, int, int]:
-    from tpuray.rl import RLConfig, RLRun, grpo
+def _sync_run(path: Path, transport: str, rounds: int, engine: str) -> tuple[float, int, int, int]:
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, grpo
     from tpuray.train import RunConfig
 
     rollout, trainer = grpo.two_slices(str(path), max_num_seqs=4)
+    if engine == "vllm":  # one vLLM worker per chip of the same slice (vLLM takes one chip per worker)
+        rollout = RolloutConfig(
+            str(path), "TPU-V6E", "2x2", engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
         result = RLRun(
             RLConfig(rollout, trainer, weight_sync=transport),  # type: ignore[arg-type]
             _send_loop,
             train_loop_config={"path": str(path)},
-            run_config=RunConfig(storage_path=f"file://{storage}", name=f"sync-{transport}"),
+            run_config=RunConfig(storage_path=f"file://{storage}", name=f"sync-{transport}-{engine}"),
         ).run(rounds + 1, lambda engine, k: k)
     last = result.times[-1]
     seconds = statistics.median(result.train_result.return_value[1:])  # the first send joins / warms
@@ -288,16 +304,16 @@ def print_sync(sync: float, sharded: float, raw: float, nbytes: int, rounds: int
 
 
 def print_transports(results: dict[str, tuple[float, float, int]], rounds: int) -> None:
-    nbytes = next(iter(results.values()))[2]
-    mb = nbytes / 1e6
+    mb = next(iter(results.values()))[2] / 1e6  # the TP=2 engine's ranks receive the weights once
     print(
-        f"\nweight sync from tpuray.train (FSDP2, 2 workers x 2 chips, emulated v6e 2x2) -> TP=2 rollout engine on "
-        f"another emulated v6e 2x2: {mb:.1f} MB per sync, seconds per sync on trainer rank 0 (median of {rounds})"
+        f"\nweight sync from tpuray.train (FSDP2, 2 workers x 2 chips, emulated v6e 2x2) -> rollout engine on "
+        f"another emulated v6e 2x2: {mb:.1f} MB of weights, seconds per sync on trainer rank 0 (median of {rounds}); "
+        "MB/s and the raw transfer count the bytes the rollout ranks received"
     )
     print("| weight_sync | sync s | MB/s | raw transfer of the same bytes, s | ratio to raw |")
     print("|---|---|---|---|---|")
-    for transport, (sync, raw, _) in results.items():
-        print(f"| {transport} | {sync:.3f} | {mb / sync:.0f} | {raw:.3f} | {sync / raw:.2f} |")
+    for transport, (sync, raw, got) in results.items():
+        print(f"| {transport} | {sync:.3f} | {got / 1e6 / sync:.0f} | {raw:.3f} | {sync / raw:.2f} |")
     best = min(results, key=lambda t: results[t][0])
     print(
         f"faster: {best}; goal <= 1.2x raw: "

@@ -49,12 +49,11 @@ HEAVY_MODULES = frozenset(
     {
         "serve/test_vllm.py",
         "serve/test_ray_serve_llm.py",
-        "serve/test_http_fuzz.py",
+        "emulator/test_autoscale.py",
         "serve/test_engine_proof.py",
         "rl/test_vllm_rollout.py",
         "train/test_ray_train.py",
         "train/test_data.py",
-        "emulator/test_autoscale.py",
         "slices/test_layouts.py",  # light, but its 4x4 layout is then the one test_data's and Ray Train's use
     }
 )
