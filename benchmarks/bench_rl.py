@@ -260,7 +260,7 @@ def _sync_run(path: Path, transport: str, rounds: int, engine: str) -> tuple[flo
             _send_loop,
             train_loop_config={"path": str(path)},
             run_config=RunConfig(storage_path=f"file://{storage}", name=f"sync-{transport}-{engine}"),
-        ).run(rounds + 1, lambda engine, k: k)
+        ).run(rounds + 1, lambda _rollout_engine, k: k)
     last = result.times[-1]
     seconds = statistics.median(result.train_result.return_value[1:])  # the first send joins / warms
     return seconds, last.sync_bytes, last.senders, rollout.tensor_parallel_size

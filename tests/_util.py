@@ -5,6 +5,16 @@ from __future__ import annotations
 import socket
 import time
 
+# ScalingConfig kwargs of a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice: for
+# tests whose checks do not depend on one process per chip (half the worker processes to start on 2 cores)
+TWO_WORKERS_V6E_2X2 = {
+    "num_workers": 2,
+    "use_tpu": True,
+    "topology": "2x2",
+    "accelerator_type": "TPU-V6E",
+    "resources_per_worker": {"TPU": 2},
+}
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the socket is closed again on return)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from _util import TWO_WORKERS_V6E_2X2
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 
 PROMPTS = ["Hello world", "1 + 2 =", "The"]
@@ -22,14 +23,7 @@ def greedy(engine: Any) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
 
 
-# a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice
-SCALING = {
-    "num_workers": 2,
-    "use_tpu": True,
-    "topology": "2x2",
-    "accelerator_type": "TPU-V6E",
-    "resources_per_worker": {"TPU": 2},
-}
+SCALING = TWO_WORKERS_V6E_2X2  # a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2
 
 
 def slice_rollout_config(path: str, **kw: Any) -> Any:

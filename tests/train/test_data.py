@@ -17,6 +17,7 @@ import _data_loops  # noqa: E402
 import _loops  # noqa: E402
 from _examples import load_example  # noqa: E402
 
+from _util import TWO_WORKERS_V6E_2X2  # noqa: E402
 from tpuray.constants import ROLE_LABEL  # noqa: E402
 from tpuray.emulator import SliceRequest  # noqa: E402
 from tpuray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
@@ -24,8 +25,6 @@ from tpuray.train.torch import TorchTrainer  # noqa: E402
 from tpuray.validation import ConfigError  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_data_loops)
-
-TPU_2X2 = {"use_tpu": True, "topology": "2x2", "accelerator_type": "TPU-V6E"}
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +102,7 @@ def test_split_every_row_once_per_epoch_on_2x2_and_again_after_a_restart(
         _data_loops.shard_loop,
         train_loop_config={"epochs": 2, "out_dir": str(tmp_path), "val": True, "crash_rank": 1},
         # two workers of two chips: the split's guarantees do not depend on a process per chip
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"TPU": 2}, **TPU_2X2),
+        scaling_config=ScalingConfig(**TWO_WORKERS_V6E_2X2),
         run_config=RunConfig(
             storage_path=str(tmp_path / "results"),
             name="data2x2",

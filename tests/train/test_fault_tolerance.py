@@ -16,6 +16,7 @@ import ray.cloudpickle
 sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
 
+from _util import TWO_WORKERS_V6E_2X2  # noqa: E402
 from tpuray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from tpuray.train.torch import TorchTrainer  # noqa: E402
 
@@ -35,13 +36,7 @@ def test_host_killed_mid_fit_resumes_from_checkpoint(emulated_cluster, pg_leak_c
     trainer = TorchTrainer(
         _loops.resumable_loop,
         train_loop_config={"epochs": 5, "kill_after": 3, "marker": str(marker)},
-        scaling_config=ScalingConfig(  # two workers of two chips: half the processes to restart
-            num_workers=2,
-            use_tpu=True,
-            topology="2x2",
-            accelerator_type="TPU-V6E",
-            resources_per_worker={"TPU": 2},
-        ),
+        scaling_config=ScalingConfig(**TWO_WORKERS_V6E_2X2),  # half the processes to restart
         run_config=RunConfig(
             storage_path=str(tmp_path / "results"), name="ft", failure_config=FailureConfig(max_failures=1)
         ),

@@ -16,15 +16,12 @@ import ray.cloudpickle
 sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
 
+from _util import TWO_WORKERS_V6E_2X2  # noqa: E402
 from tpuray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupError  # noqa: E402
 from tpuray.train.torch import TorchTrainer  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_loops)
-# two workers of two chips: preemption handling does not depend on one process per chip, and half the
-# worker processes start on this 2-core machine
-SCALING = dict(
-    num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 2}
-)
+SCALING = TWO_WORKERS_V6E_2X2  # preemption handling does not depend on one process per chip
 
 
 def _fit_with_preemptions(cluster, tmp_path, failure_config: FailureConfig, signal_at: list[int]):

@@ -20,16 +20,16 @@ import ray.cloudpickle
 sys.path.insert(0, os.path.dirname(__file__))
 import _loops  # noqa: E402
 
+from _util import TWO_WORKERS_V6E_2X2  # noqa: E402
 from tpuray.constants import RESERVE_TIMEOUT_ENV  # noqa: E402
 from tpuray.slices.placement import SliceReservationTimeout  # noqa: E402
 from tpuray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from tpuray.train.torch import TorchTrainer  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_loops)
-V6E_2X2 = dict(use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
 # two workers of two chips per slice: what these tests order (reservation, loss, restart, MEGASCALE_*) does not
-# depend on one process per chip, and half the worker processes start on this 2-core machine
-PER_SLICE = 2
+# depend on one process per chip
+PER_SLICE = TWO_WORKERS_V6E_2X2["num_workers"]
 
 
 def _trainer(tmp_path, name: str, config: dict, num_slices: int = 1, max_failures: int = 0) -> TorchTrainer:
@@ -37,10 +37,7 @@ def _trainer(tmp_path, name: str, config: dict, num_slices: int = 1, max_failure
         _loops.preemptible_loop,
         train_loop_config={"step_s": 0.2, **config},
         scaling_config=ScalingConfig(
-            num_workers=PER_SLICE * num_slices,
-            num_slices=num_slices,
-            resources_per_worker={"TPU": 4 // PER_SLICE},
-            **V6E_2X2,
+            **{**TWO_WORKERS_V6E_2X2, "num_workers": PER_SLICE * num_slices}, num_slices=num_slices
         ),
         run_config=RunConfig(
             storage_path=str(tmp_path),
