@@ -13,6 +13,9 @@
    this measures the overhead of the sharded path, not TPU speed.
 
     .venv/bin/python benchmarks/bench_serve.py [--requests 100] [--hidden 256]
+    .venv/bin/python benchmarks/bench_serve.py --only-variants default[,direct-ingress,...] --repeat 3
+        (only the one-model app's HTTP rows, each run on its own cluster: for A/B runs between commits,
+        e.g. with PYTHONPATH=<a git worktree of the other commit>/src)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
 
 from _common import free_port, pct
 
@@ -146,14 +150,16 @@ async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, 
 
 
 # Serve settings that only take effect when set before any Ray process starts: each is measured on its
-# own emulated cluster, in a subprocess. name -> (environment variable, row label).
-VARIANTS = {
+# own emulated cluster, in a subprocess. name -> (environment variable, row label). "default" (no setting)
+# is the main run's own proxied app, measured in a subprocess only with --only-variants (A/B runs).
+VARIANTS: dict[str, tuple[str | None, str]] = {
+    "default": (None, "Serve defaults (proxy -> replica over Ray actor calls)"),
     "direct-ingress": ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "Serve direct ingress (no proxy)"),
     "proxy-grpc": ("RAY_SERVE_PROXY_USE_GRPC", "Serve proxy -> replica over gRPC"),
 }
 
 
-def variant_child(variant: str, requests: int) -> None:
+def variant_child(variant: str, requests: int, direct: bool = True) -> None:
     """Run in a subprocess whose environment sets VARIANTS[variant] to 1. direct-ingress is Ray Serve's
     experimental direct ingress: each ingress replica serves HTTP on its own port (Ray's default range
     starts at 30000) and no proxy sits in the path. proxy-grpc keeps the proxy but sends requests to the
@@ -166,7 +172,6 @@ def variant_child(variant: str, requests: int) -> None:
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -202,21 +207,26 @@ def variant_child(variant: str, requests: int) -> None:
             "seq": asyncio.run(http_throughput(url, clients=1, per_client=16, max_tokens=32)),
             "conc": asyncio.run(http_throughput(url, clients=16, per_client=4, max_tokens=32)),
         }
-        server = EmbeddedBackend(LLMConfig(**cfg))
-        out["direct"] = asyncio.run(direct_latencies(server, requests))
-        server.shutdown()
+        if direct:  # (--only-variants leaves it out: it may run against older tpuray sources)
+            from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+
+            server = EmbeddedBackend(LLMConfig(**cfg))
+            out["direct"] = asyncio.run(direct_latencies(server, requests))
+            server.shutdown()
         serve.shutdown()
     print("VARIANT " + json.dumps(out))
 
 
-def run_variant(variant: str, requests: int) -> dict[str, list[float]]:
+def run_variant(variant: str, requests: int, direct: bool = True) -> dict[str, Any]:
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, **{VARIANTS[variant][0]: "1"})
+    setting = VARIANTS[variant][0]
+    env = dict(os.environ, **({setting: "1"} if setting else {}))
     proc = subprocess.run(
-        [sys.executable, __file__, "--variant-child", variant, "--requests", str(requests)],
+        [sys.executable, __file__, "--variant-child", variant, "--requests", str(requests)]
+        + ([] if direct else ["--no-direct"]),
         env=env,
         capture_output=True,
         text=True,
@@ -228,15 +238,51 @@ def run_variant(variant: str, requests: int) -> dict[str, list[float]]:
     raise RuntimeError(f"{variant} run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
+def only_variants(names: list[str], repeat: int, requests: int) -> None:
+    """Each variant's HTTP rows, `repeat` times, the variants alternated; one line per run, then medians."""
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        raise SystemExit(f"--only-variants: {', '.join(bad)} unknown; valid: {', '.join(VARIANTS)}")
+    runs: dict[str, list[dict[str, list[float]]]] = {n: [] for n in names}
+    print(
+        f"variant | run | p50 HTTP ms | 1 client tok/s | 16 clients tok/s  (os.cpu_count() = {os.cpu_count()})"
+    )
+    for i in range(repeat):
+        for n in names:
+            v = run_variant(n, requests, direct=False)
+            runs[n].append(v)
+            print(
+                f"{n} | {i + 1} | {pct(v['http'], 0.5) * 1000:.1f} | {v['seq']:.0f} | {v['conc']:.0f}",
+                flush=True,
+            )
+    for n in names:
+        med = {
+            k: statistics.median(r[k] if k in ("seq", "conc") else pct(r[k], 0.5) for r in runs[n])
+            for k in ("http", "seq", "conc")
+        }
+        print(f"{n} | median | {med['http'] * 1000:.1f} | {med['seq']:.0f} | {med['conc']:.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=100, help="latency samples per path")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size of the TP comparison model")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--only-variants",
+        metavar="NAMES",
+        help=f"only the one-model app's HTTP rows, each on its own cluster, of these comma-separated "
+        f"variants ({', '.join(VARIANTS)}), run --repeat times alternated: for A/B comparisons",
+    )
+    ap.add_argument("--repeat", type=int, default=3, help="runs per variant with --only-variants")
     ap.add_argument("--variant-child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--no-direct", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant_child:
-        variant_child(args.variant_child, args.requests)
+        variant_child(args.variant_child, args.requests, direct=not args.no_direct)
+        return
+    if args.only_variants:
+        only_variants(args.only_variants.split(","), args.repeat, args.requests)
         return
 
     import ray
@@ -395,7 +441,7 @@ def main() -> None:
         ray.shutdown()
 
     # 4: the same one-model app with Serve settings that need their own cluster ---------------------------
-    for offset, variant in enumerate(VARIANTS):
+    for offset, variant in enumerate(v for v in VARIANTS if v != "default"):
         v, label = run_variant(variant, args.requests), VARIANTS[variant][1]
         rows.insert(
             2 + offset,
