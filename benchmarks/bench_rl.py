@@ -182,7 +182,7 @@ def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from tpuray.rl.collective import Rendezvous
+    from tpuray.rl.collective import Offer, Rendezvous
 
     hosts = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("TPU"))
     peer = _peer_class()
@@ -200,7 +200,10 @@ def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
         + [p.join.remote(rdv.channel, n_send + q) for q, p in enumerate(receivers)]
     )
     metas = [
-        [(s, [("x", 0, (pair_bytes[s][q] // 4,), "float32", 0)]) for s in range(n_send)]
+        [
+            Offer(s, [("x", 0, (pair_bytes[s][q] // 4,), "float32", 0)], pair_bytes[s][q])
+            for s in range(n_send)
+        ]
         for q in range(n_recv)
     ]
     store, coll = [], []

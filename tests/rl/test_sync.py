@@ -4,13 +4,15 @@ and the pieces' checks, in process."""
 
 from __future__ import annotations
 
+import time
+
 import _rl_loops  # noqa: E402
 import pytest
 import ray.cloudpickle
 import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
-from tpuray.rl.collective import check_metas, pack, unpack
+from tpuray.rl.collective import pack, unpack
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
 from tpuray.rl.sync import trainer_pieces
 from tpuray.rl.weights import assemble, shard_state
@@ -51,16 +53,22 @@ def test_pieces_assemble_into_each_ranks_shards(tiny_models):
         assemble([split[0], {name: (start + 12, rows[10:])}], config, 1, 2)
     with pytest.raises(WeightMismatchError, match="'model.norm.weight' .* is missing"):
         assemble([{k: v for k, v in pieces[0].items() if k != "model.norm.weight"}], config, 0, 2)
-    # tpu_dist: one flat buffer per (trainer rank, rollout rank), its metadata checked without the data
+    # tpu_dist: one flat buffer per (trainer rank, rollout rank); what its metadata describes is checked
+    # by the receiver after the transfer (the sender never waits on a refusal), before anything is staged
     metas, flat = zip(*(pack(p) for p in pieces), strict=True)
     for r in range(2):
         got = unpack(metas[r], flat[r])
         assert got.keys() == pieces[r].keys()
         assert all(got[k][0] == pieces[r][k][0] and torch.equal(got[k][1], pieces[r][k][1]) for k in got)
-    check_metas([[metas[0]], [metas[1]]], config)
     bad = [m if m[0] != name else (name, 0, (63, 128), "float32", m[4]) for m in metas[1]]
     with pytest.raises(WeightMismatchError, match=r"q_proj.weight' has 63 of its part's 64 rows"):
-        check_metas([[metas[0]], [bad]], config)
+        assemble([unpack(bad, flat[1])], config, 1, 2)
+    for wrong, why in (
+        ((name, 0, (64, 128), "int64", 0), "is not a floating-point torch dtype"),
+        ((name, 0, (64, 128), "float32", flat[1].numel() - 4), "lies outside the"),
+    ):
+        with pytest.raises(WeightMismatchError, match=why):
+            unpack([wrong], flat[1])
 
 
 def test_rl_config_refuses_bad_values(tiny_models):
@@ -87,10 +95,6 @@ def test_rl_config_refuses_bad_values(tiny_models):
         ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
         ({"rollout": RolloutConfig(tiny_models[0])}, "accelerator_type=None"),
         ({"rollout_max_failures": -2}, "rollout_max_failures=-2 is invalid; valid: an integer >= -1"),
-        (  # the default transport: the lost workers had the last update's data
-            {"rollout_max_failures": 1},
-            "rollout_max_failures=1 needs weight_sync='object_store'",
-        ),
         (
             {
                 "placement": "colocated",
@@ -117,12 +121,13 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
     on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
-    rollout rank, and the engine generates the sent model's tokens one batch later. DDP sequential over
-    the object store: rank 0 sends all, a rollout worker killed before batch 1 is replaced
-    (RLConfig.rollout_max_failures=1: a new engine, the last update reloaded), the tokens change from the
-    next batch on, then an update missing a tensor is refused (check_metas above refuses one over tpu_dist from its metadata). Then (tpu_dist, the
-    group spanning both sides) a rollout worker dies. A failure or refusal ends the run with RLRunError
-    (the trainer's own failure: test_placement.py); no worker or placement group is left."""
+    rollout rank, and the engine generates the sent model's tokens one batch later; an FSDP2 update
+    missing a tensor is refused over tpu_dist (after the transfer, before anything is staged). DDP
+    sequential over the object store: rank 0 sends all, a rollout worker killed before batch 1 is
+    replaced (RLConfig.rollout_max_failures=1: a new engine, the last update reloaded), the tokens change
+    from the next batch on, then an update missing a tensor is refused. Then (tpu_dist, the group
+    spanning both sides) a rollout worker dies. A failure or refusal ends the run with RLRunError (the
+    trainer's own failure: test_placement.py); no worker or placement group is left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
@@ -150,12 +155,43 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     ):
         RLRun(RLConfig(slice_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
 
+    def killing(at: set[int], seen: list | None = None, after_s: float = 0.0):
+        """A rollout_fn whose engine loses a worker the first time it generates batch k in `at` (after
+        `after_s`: with overlap, the trainer's ranks are then most likely mid-transfer into it)."""
+
+        def rollout(engine: RolloutEngine, k: int) -> list:
+            if k in at:
+                at.discard(k)
+                time.sleep(after_s)
+                ray.kill(engine.group.actors[1], no_restart=True)
+            out = _greedy(engine)
+            if seen is not None:
+                seen.append(out)
+            return out
+
+        return rollout
+
+    # FSDP2 with overlap over tpu_dist; the engines generating batches 1 and 2 (while the ranks offer
+    # updates 1 and 2) each lose a worker. Batch 1: the group with the engine has not formed yet (it forms
+    # when the driver hands the engine its first update), so the ranks offer update 1 to the new engine
+    # instead. Batch 2: their transfer into the formed group fails (most likely: 2 s after batch 1 they
+    # are in it), they send update 2 again into the next engine, which takes it and generates batch 2
+    # again (the tokens are the same with updates 1 and 2)
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    result = run("fsdp2", True, 3, lambda engine, k: _greedy(engine), "tpu_dist", strategy="fsdp2")
+    result = run("fsdp2", True, 3, killing({1, 2}, after_s=2.0), "tpu_dist", restarts=2, strategy="fsdp2")
     assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0
     assert result.train_result.return_value == result.batches  # every batch reached rank 0
+    assert result.rollout_restarts == 2 and result.versions == [1, 2, 3]
     assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
-    assert all(full < t.sync_bytes < 2 * full and t.sync > 0 for t in result.times)  # TP=2: replicated x2
+    assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated x2
+    assert result.times[0].sync > 0 and result.times[2].sync > 0  # (update 2: in the restart, likely)
+
+    # FSDP2 over tpu_dist, the first update missing a tensor: the trainer ranks send at once, the engine's
+    # workers take every byte offered, then refuse it before anything is staged; every trainer rank raises
+    drop = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(RLRunError, match=rf"update 1 was refused: .*'{drop}' .* is missing"):
+        run("refused", False, 1, lambda engine, k: _greedy(engine), "tpu_dist", strategy="fsdp2", drop=drop)
+    assert not alive_actors("TrainWorker")
 
     seen: list = []
     engines: list = []
@@ -170,7 +206,6 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     # DDP over the object store: rank 0 sends all, the tokens change from the next batch on (batch 1 from a
     # new engine, its killed predecessor's update 1 reloaded from the ObjectRefs the run holds); update 3
     # lacks a tensor and is refused before anything is written (the engine keeps update 2), ending the run
-    drop = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(RLRunError, match=rf"update 3 was refused: .*'{drop}' .* is missing"):
         run("ddp", False, 3, recording, restarts=1, strategy="ddp", drop=drop, drop_at=2)
     assert seen == [reference[w] for w in "abb"]
@@ -178,14 +213,14 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     assert not alive_actors("TrainWorker")
     pg_leak_check()
 
-    def killing(engine: RolloutEngine, k: int) -> list:
-        if k == 1:
-            ray.kill(engine.group.actors[1], no_restart=True)
-        return _greedy(engine)
-
+    # DDP sequential over tpu_dist: the engine holding update 1 loses a worker at batch 1; rank 0 sends
+    # update 1 again into its replacement (batch 1 shows it), whose own worker dies at batch 2: past
+    # rollout_max_failures=1, the run ends
+    seen.clear()
     with pytest.raises(
         RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
-        run("rollout-fails", False, 3, killing, "tpu_dist", strategy="ddp")
+        run("rollout-fails", False, 3, killing({1, 2}, seen), "tpu_dist", restarts=1, strategy="ddp")
+    assert seen == [reference[w] for w in "ab"]  # batch 1 from the new engine, with update 1 sent again
     assert not alive_actors("TrainWorker")
     pg_leak_check()

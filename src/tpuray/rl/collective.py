@@ -1,9 +1,12 @@
 """The `tpu_dist` weight-sync transport: a process group spanning a trainer's workers and a rollout
 engine's workers (both slices), over which each trainer rank sends every rollout rank the pieces of its
-tensor-parallel part (`tpuray.rl.sync.trainer_pieces`) point to point. Only the pieces' metadata (name,
-first row, shape, dtype) travels through the RL run's mailbox actor, and the driver checks it against
-the engine's model before any byte moves (`check_metas`): a name or shape mismatch is refused before
-anything is sent or overwritten.
+tensor-parallel part (`tpuray.rl.sync.trainer_pieces`) point to point, as one flat buffer per pair. Only
+each buffer's `Offer` (the pieces' metadata: name, first row, shape, dtype, offset; and its size) travels
+through the RL run's mailbox actor to the driver, which hands the offers to the engine's workers. A
+trainer rank sends as soon as its offer is in the mailbox (the driver is not in the data's path); each
+rollout rank receives every buffer offered to it (sized by the offer, whatever the metadata says), then
+checks the pieces against the engine's model while assembling its part (`tpuray.rl.weights.assemble`):
+a name, shape or dtype mismatch is refused after the transfer, before anything is staged or written.
 
 The group is built with torch.distributed: the backend "tpu_dist" (on emulated hosts tpuray's
 gloo-backed group, `tpuray.runtime.dist`; on TPU hosts the one torch_tpu registers) created by its
@@ -11,16 +14,17 @@ registered creator on a `PrefixStore` of a `TCPStore` the driver hosts (`Rendezv
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
 first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
-engine's workers join it at their next transfer (the old one is left to their exit).
+engine's workers join it at their next transfer (the old one is left to their exit); so does a rollout
+engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's ranks, which
+close their group with the lost engine.
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +37,15 @@ TAG = 0
 Meta = tuple[str, int, tuple[int, ...], str, int]
 
 
+class Offer(NamedTuple):
+    """What trainer rank `sender` sends one rollout rank: one flat buffer of `nbytes` holding the pieces
+    `metas` describe (`pack`)."""
+
+    sender: int
+    metas: list[Meta]
+    nbytes: int
+
+
 @dataclass(frozen=True)
 class Channel:
     """Where the transport's group meets (the driver's TCPStore) and its shape; picklable."""
@@ -43,6 +56,7 @@ class Channel:
     tensor_parallel_size: int
     timeout_s: float
     generation: int = 0  # the trainer attempt: a restarted trainer forms a new group (own store prefix)
+    engine: int = 0  # the rollout engine's incarnation: so does a replaced engine
 
     @property
     def world_size(self) -> int:
@@ -83,10 +97,6 @@ def pack(pieces: dict[str, tuple[int, torch.Tensor]]) -> tuple[list[Meta], torch
     return metas, (torch.cat(flat) if flat else None)
 
 
-def nbytes_of(metas: list[Meta]) -> int:
-    return sum(_dtype(d).itemsize * _numel(s) for _, _, s, d, _ in metas)
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -102,29 +112,19 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def unpack(metas: list[Meta], flat: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
-    """The pieces `pack` packed (views of `flat`)."""
+    """The pieces `pack` packed (views of `flat`); WeightMismatchError for a dtype that is not a
+    floating-point torch dtype or a piece outside the buffer."""
     out = {}
     for name, start, shape, dtype, offset in metas:
         dt = _dtype(dtype)
         size = _numel(shape) * dt.itemsize
+        if offset < 0 or offset + size > flat.numel():
+            raise WeightMismatchError(
+                f"weight sync: {name!r} of shape {tuple(shape)} at byte {offset} lies outside the "
+                f"{flat.numel()}-byte buffer it came in"
+            )
         out[name] = (start, flat[offset : offset + size].view(dt).reshape(shape))
     return out
-
-
-def meta_pieces(metas: list[Meta]) -> dict[str, tuple[int, torch.Tensor]]:
-    """The pieces as data-less ("meta" device) tensors, for checking names and shapes before transfer."""
-    return {n: (start, torch.empty(shape, dtype=_dtype(d), device="meta")) for n, start, shape, d, _ in metas}
-
-
-def check_metas(per_rank: list[list[list[Meta]]], config: Mapping[str, Any]) -> None:
-    """Check what every trainer rank offers every rollout rank (`per_rank[q]`: the metadata lists from
-    each sender) against the engine's model: WeightMismatchError names the first missing, unknown or
-    misshapen tensor; no tensor data is involved."""
-    from tpuray.rl.weights import assemble
-
-    world = len(per_rank)
-    for q, offers in enumerate(per_rank):
-        assemble([meta_pieces(m) for m in offers], config, q, world)
 
 
 # -- the group ----------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class SyncGroup:
         store = dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
         self.channel = channel
         self.rank = rank
-        prefix = f"{PREFIX}/{channel.generation}"
+        prefix = f"{PREFIX}/{channel.generation}/{channel.engine}"
         self.pg: Any = plugin.creator_fn(dist.PrefixStore(prefix, store), rank, channel.world_size, timeout)
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
 
@@ -160,17 +160,18 @@ class SyncGroup:
             w.wait()
         self.transfer_s = time.perf_counter() - t
 
-    def recv_all(self, offers: list[tuple[int, list[Meta]]]) -> list[dict[str, tuple[int, torch.Tensor]]]:
-        """Receive each (trainer rank, metadata) offer's flat buffer; the pieces, in order."""
+    def recv_all(self, offers: list[Offer]) -> list[dict[str, tuple[int, torch.Tensor]]]:
+        """Receive every offer's flat buffer (all of them, so that no sender waits), then its pieces in
+        order; WeightMismatchError where an offer's metadata does not describe its buffer."""
         import time
 
         t = time.perf_counter()
-        bufs = [torch.empty(nbytes_of(m), dtype=torch.uint8) for _, m in offers]
-        works = [self.pg.recv([b], src, TAG) for (src, _), b in zip(offers, bufs, strict=True)]
+        bufs = [torch.empty(o.nbytes, dtype=torch.uint8) for o in offers]
+        works = [self.pg.recv([b], o.sender, TAG) for o, b in zip(offers, bufs, strict=True)]
         for w in works:
             w.wait()
         self.transfer_s = time.perf_counter() - t
-        return [unpack(m, b) for (_, m), b in zip(offers, bufs, strict=True)]
+        return [unpack(o.metas, b) for o, b in zip(offers, bufs, strict=True)]
 
     def close(self) -> None:
         """Stop the group's backend on this thread (tpu_dist's gloo left running to interpreter exit
@@ -180,18 +181,28 @@ class SyncGroup:
             shutdown()
 
 
-_MEMBERS: dict[tuple[str, int, int], SyncGroup] = {}  # this process's groups, by rendezvous address
+_MEMBERS: dict[tuple[str, int, int, int], SyncGroup] = {}  # this process's groups, by address and group
+
+
+def _key(channel: Channel) -> tuple[str, int, int, int]:
+    return (channel.host, channel.port, channel.generation, channel.engine)
+
+
+def joined(channel: Channel, rank: int) -> bool:
+    """Whether this process is in `channel`'s group already (as `rank`)."""
+    group = _MEMBERS.get(_key(channel))
+    return group is not None and group.rank == rank
 
 
 def member(channel: Channel, rank: int) -> SyncGroup:
     """This process's member of `channel`'s group as `rank` (joined at the first call: blocks until every
     rank of the group joined; closed when the process exits)."""
-    key = (channel.host, channel.port, channel.generation)
+    key = _key(channel)
     if key not in _MEMBERS:
         if not _MEMBERS:
             atexit.register(close_all)
-        for old in [k for k in _MEMBERS if k[:2] == key[:2] and k[2] < key[2]]:
-            _MEMBERS.pop(old).close()  # a lost trainer attempt's group
+        for old in [k for k in _MEMBERS if k[:2] == key[:2] and k[2:] < key[2:]]:
+            _MEMBERS.pop(old).close()  # a lost trainer attempt's or rollout engine's group
         _MEMBERS[key] = SyncGroup(channel, rank)
     return _MEMBERS[key]
 

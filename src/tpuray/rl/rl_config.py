@@ -40,7 +40,8 @@ class RLConfig:
     "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
     docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
     driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
-    driver, which checks it before the ranks send the data point to point (`tpuray.rl.collective`).
+    driver, the ranks send the data point to point at once and each rollout rank checks what it received
+    before staging it (`tpuray.rl.collective`).
     "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
     the driver, each rollout rank pulls its objects and checks them (no process group between the two
     sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
@@ -55,9 +56,11 @@ class RLConfig:
     replaced before the run ends: 0 (the default) never, -1 without limit. The run then shuts the engine
     down (its slice released), reserves a new one from `rollout`, loads the last update the old one had
     and calls the failed `rollout_fn` (or loads the failed update) again; `RLResult.rollout_restarts`
-    counts them. Disaggregated over weight_sync="object_store" only (the driver still holds the last
-    update's ObjectRefs; over "tpu_dist" the data went point to point to the lost workers, and colocated
-    a rollout worker is a trainer worker: the trainer's FailureConfig applies)."""
+    counts them. Over "object_store" the new engine loads the last update from the ObjectRefs the driver
+    holds; over "tpu_dist" the new engine's workers form a new group with the trainer's ranks, and each
+    rank sends its last update again into it (also one whose transfer the failure interrupted).
+    Disaggregated only (colocated, a rollout worker is a trainer worker: the trainer's FailureConfig
+    applies)."""
     trainer_world_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -96,12 +99,6 @@ class RLConfig:
             raise ConfigError(
                 f"RLConfig.rollout_max_failures={n} is invalid with placement='colocated': the engine's "
                 "workers are the trainer's (FailureConfig(max_failures) governs them); valid: 0"
-            )
-        if self.weight_sync != "object_store":
-            raise ConfigError(
-                f"RLConfig.rollout_max_failures={n} needs weight_sync='object_store' (a new engine reloads "
-                f"the last update from the ObjectRefs the driver holds; over {self.weight_sync!r} its data "
-                "went to the lost workers only); valid: rollout_max_failures=0, or weight_sync='object_store'"
             )
 
     def _check_disaggregated(self) -> None:

@@ -46,9 +46,10 @@ class RLRunError(RuntimeError):
 class IterationStats:
     """One iteration on the driver: seconds in `rollout` (rollout_fn of the next batch: generate + reward;
     with overlap, while the trainer trains), `wait` (for the trainer's weights, beyond the rollout),
-    `sync` (update_weights: transfer + load; after a trainer restart, with the versions it re-sent) and
-    `total`; `sync_bytes` the rollout ranks received, each from up
-    to `senders` trainer ranks; `freed` (colocated) what the engine released on the chips for training."""
+    `sync` (update_weights: transfer + load; after a trainer restart, with the versions it re-sent; 0
+    where the engine that replaced a failed one took the update during the rollout, counted there) and
+    `total`; `sync_bytes` the rollout ranks received, each from up to `senders` trainer ranks; `freed`
+    (colocated) what the engine released on the chips for training."""
 
     rollout: float
     wait: float
@@ -262,8 +263,7 @@ class RLRun:
         for k in range(iterations):
             t0 = time.perf_counter()
             ref = ray.put(batch)
-            for rank in range(sync.world_size):
-                sync.put(f"batch/{k}/{rank}", [ref])
+            sync.put_all({f"batch/{k}/{rank}": [ref] for rank in range(sync.world_size)})
             batches.append(batch)
             more = k + 1 < iterations
             rollout_s, upcoming = 0.0, None
@@ -287,7 +287,7 @@ class RLRun:
         engine (started in the trainer's workers at k=0, woken up after) generates, then sleeps so that
         the trainer has the chips."""
         if self.config.placement == "disaggregated":
-            return self._on_engine(lambda engine: rollout_fn(engine, k)), 0
+            return self._on_engine(sync, lambda engine: rollout_fn(engine, k)), 0
         hosts = sync.ready(k, self._alive)
         if self._engine is None:
             from tpuray.rl.colocate import ColocatedRolloutEngine
@@ -304,26 +304,33 @@ class RLRun:
         new attempt resumes from its checkpoint and re-sends the versions after it, the engine may
         already hold: each is loaded again (the restarted trainer's state wins)."""
         wait_s = sync_s = 0.0
+        held = self._last_update
+        if held is not None and held.attempt == self._attempt and held.version >= version:
+            self._versions.append(held.version)  # loaded into a replaced engine during the rollout
+            return held, wait_s, sync_s
         while True:
             t0 = time.perf_counter()
             update = sync.receive(self._alive)
             t1 = time.perf_counter()
-            if update.attempt != self._attempt:
-                logger.warning(
-                    "tpuray.rl: the trainer restarted (attempt %d); it resumed at weight version %d, the "
-                    "engine continues from it",
-                    update.attempt,
-                    update.version,
-                )
-                self._attempt = update.attempt
-            self._on_engine(functools.partial(self._update, sync=sync, update=update))
+            self._note_attempt(update)
+            self._on_engine(sync, functools.partial(self._update, sync=sync, update=update))
             self._last_update = update
             self._versions.append(update.version)
             wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
             if update.version >= version:
                 return update, wait_s, sync_s
 
-    def _on_engine(self, call: Callable[[RolloutEngine], Any]) -> Any:
+    def _note_attempt(self, update: Any) -> None:
+        if update.attempt != self._attempt:
+            logger.warning(
+                "tpuray.rl: the trainer restarted (attempt %d); it resumed at weight version %d, the "
+                "engine continues from it",
+                update.attempt,
+                update.version,
+            )
+            self._attempt = update.attempt
+
+    def _on_engine(self, sync: WeightSync, call: Callable[[RolloutEngine], Any]) -> Any:
         """`call(engine)`; where the engine failed (RolloutEngineError) and RLConfig.rollout_max_failures
         allows, replace the engine and call again."""
         while True:
@@ -334,9 +341,9 @@ class RLRun:
                 limit = self.config.rollout_max_failures
                 if limit != -1 and self._rollout_restarts >= limit:
                     raise
-                self._restart_engine(e)
+                self._restart_engine(sync, e)
 
-    def _restart_engine(self, error: BaseException) -> None:
+    def _restart_engine(self, sync: WeightSync, error: BaseException) -> None:
         """Shut the failed engine down (its slice released), reserve a new one and load the last update
         the old one had (its ObjectRefs are still held here)."""
         self._rollout_restarts += 1
@@ -348,16 +355,36 @@ class RLRun:
         )
         self._shutdown_engine()
         self._engine = RolloutEngine(self.config.rollout)
-        if self._last_update is not None:
+        sync.replace_engine()  # tpu_dist: the trainer's ranks send their last update again, into it
+        if self._last_update is None:
+            return
+        if self.config.weight_sync == "object_store":
             self._engine.update_weights(self._last_update)
+            return
+        update = sync.receive(self._alive)  # the last one loaded, or (overlap) the one after it
+        self._note_attempt(update)
+        self._load(self._engine, sync, update)
+        self._last_update = update
 
-    @staticmethod
-    def _update(engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
+    def _update(self, engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
+        held = self._last_update
+        if (
+            held is not None
+            and held is not update
+            and (held.attempt, held.version)
+            == (
+                update.attempt,
+                update.version,
+            )
+        ):
+            return  # tpu_dist: the engine failed while loading it; its replacement took it again
+        self._load(engine, sync, update)
+
+    def _load(self, engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
         from tpuray.rl.weights import WeightMismatchError
 
         try:
-            sync.release(update, engine.model_config)  # tpu_dist: checked before data moves
-            engine.update_weights(update)
+            engine.update_weights(update)  # checked by the engine's workers before anything is staged
         except WeightMismatchError as e:
             sync.ack(update, error=str(e))  # the trainer's ranks raise it too
             raise RLRunError(

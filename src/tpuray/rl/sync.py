@@ -5,9 +5,9 @@ Transport "object_store": it puts one object per rollout rank in Ray's object st
 travel through a small mailbox actor to the driver, which hands them to the engine: rollout rank r pulls
 the pieces addressed to it from every trainer rank, checks and assembles them, and stages its fused
 shards (the engine's all-or-nothing stage / commit). Transport "tpu_dist" (`tpuray.rl.collective`): only
-the pieces' metadata travels through the mailbox; the driver checks it (`WeightSync.release`), then the
-trainer ranks send the data over a process group spanning both sides and rollout rank r receives, checks,
-assembles and stages as above. No full copy of the state on the driver.
+the pieces' metadata travels through the mailbox; the trainer ranks send the data at once over a process
+group spanning both sides, and rollout rank r receives it when the driver hands it the metadata, then
+checks, assembles and stages as above. No full copy of the state on the driver.
 
 - sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank sends the rows it holds;
 - replicated trainer (DDP, or one worker): rank 0 sends the full state, the other ranks nothing.
@@ -16,8 +16,8 @@ On the trainer (in the train loop):      `target.send(model, version)`  (every r
                                           engine committed the update, so the objects' owner outlives it)
 On the driver:                            `sync = WeightSync(tp, trainer_world_size, transport=...)`,
                                           `update = sync.receive(alive)` (its `version`),
-                                          `sync.release(update, engine.model_config)`,
-                                          `engine.update_weights(update)`, `sync.ack(update)`.
+                                          `engine.update_weights(update)`, `sync.ack(update)`
+                                          (or `sync.ack(update, error)` when it was refused).
 
 Trainer restarts (`tpuray.train` fault tolerance, docs/rl.md "Trainer restarts"): the weight keys carry the
 trainer attempt (`TrainContext.get_attempt()`); the mailbox forgets an older attempt's entries once a
@@ -26,20 +26,27 @@ re-sends the versions after its checkpoint), and batches stay in the mailbox so 
 can take batch k again. Over "tpu_dist" each attempt forms its own group with the engine's workers
 (`Channel.generation`); the colocated engine lives in the first attempt's processes: a restarted rank
 refuses to go on with it (SyncError, the run ends).
+
+Rollout restarts (docs/rl.md "Rollout restarts"): over "object_store" the driver reloads the last
+update's ObjectRefs into the new engine. Over "tpu_dist" the new engine is a new incarnation
+(`Channel.engine`, its own group) and `WeightSync.replace_engine` asks every rank to send its last update
+(kept in `_LAST_SENT`) again into it; the rank does so wherever it waits (`SyncTarget._wait`, and
+before its group formed, `_offer`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 
-from tpuray.rl.collective import Channel, Rendezvous, check_metas, member, pack
+from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
+from tpuray.rl.mailbox import Mailbox, join_key, resend_key, weight_key
 from tpuray.rl.vllm_layout import vllm_part
 from tpuray.rl.weights import (
     PartFn,
@@ -53,7 +60,7 @@ from tpuray.rl.weights import (
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 POLL_S = 0.5
-ATTEMPT_PREFIX = "attempt"  # mailbox keys of one trainer attempt's weight updates: attempt{n}/...
+logger = logging.getLogger(__name__)
 
 
 class SyncError(RuntimeError):
@@ -64,8 +71,9 @@ class SyncError(RuntimeError):
 class TrainerUpdate:
     """A weight update sent by the ranks of a trainer: `refs[r]` are what rollout rank r receives from
     each trainer rank that holds some of its part: the ObjectRefs of the pieces (weight_sync
-    "object_store"), or (trainer rank, the pieces' metadata) whose data comes over `channel`'s process
-    group ("tpu_dist", `tpuray.rl.collective`). Pass it to `RolloutEngine.update_weights`."""
+    "object_store"), or `Offer`s (trainer rank, the pieces' metadata, bytes) whose data comes over
+    `channel`'s process group ("tpu_dist", `tpuray.rl.collective`). Pass it to
+    `RolloutEngine.update_weights`."""
 
     refs: tuple[tuple[Any, ...], ...]
     nbytes: tuple[int, ...]  # bytes each rollout rank receives
@@ -173,23 +181,24 @@ def _attempt() -> int:
     return session.context.attempt if session is not None else 0
 
 
-def _generation(channel: Channel, attempt: int) -> Channel:
-    """The tpu_dist group of trainer attempt `attempt` (each attempt's new processes form their own)."""
-    return dataclasses.replace(channel, generation=attempt)
+def _generation(channel: Channel, attempt: int, engine: int) -> Channel:
+    """The tpu_dist group of trainer attempt `attempt` and rollout engine incarnation `engine` (each
+    attempt's new processes, and each replaced engine, form their own)."""
+    return dataclasses.replace(channel, generation=attempt, engine=engine)
 
 
-def _weight_prefix(attempt: int, what: str) -> str:
-    return f"{ATTEMPT_PREFIX}{attempt}/{what}/"
+@dataclass
+class _Sent:
+    """A trainer rank's last update over tpu_dist, kept to send it again into a replaced engine."""
+
+    version: int
+    offers: list[Offer | None]
+    nbytes: list[int]
+    flats: list[torch.Tensor | None]
+    engine: int  # the engine incarnation it went to
 
 
-def _weight_key(attempt: int, what: str, version: int, rank: int) -> str:
-    return f"{_weight_prefix(attempt, what)}{version}/{rank}"
-
-
-def _attempt_of(key: str) -> int | None:
-    if not key.startswith(ATTEMPT_PREFIX):
-        return None
-    return int(key[len(ATTEMPT_PREFIX) : key.index("/")])
+_LAST_SENT: dict[tuple[str, int], _Sent] = {}  # this process's, by rendezvous address
 
 
 @dataclass(frozen=True)
@@ -218,15 +227,12 @@ class SyncTarget:
         every rank waits, so the engine's collectives never meet the trainer's."""
         import ray
 
-        rank = _rank()
-        self._check_attempt()
+        rank, attempt = _rank(), self._check_attempt()
         if self.colocated:
             me = ray.get_runtime_context().current_actor if k == 0 else None
             ray.get(self.mailbox.put.remote(f"ready/{k}/{rank}", me))
-        try:  # read, not taken: a restarted trainer takes the batches after its checkpoint again
-            ref = ray.get(self.mailbox.read.remote(f"batch/{k}/{rank}", self.timeout_s))
-        except ray.exceptions.RayActorError as e:
-            raise SyncError(f"the RL run's mailbox is gone while waiting for batch {k}: the run ended") from e
+        # read, not taken: a restarted trainer takes the batches after its checkpoint again
+        ref = self._wait(f"batch/{k}/{rank}", attempt, rank, keep=True)
         return ray.get(ref[0])
 
     def _check_attempt(self) -> int:
@@ -249,31 +255,77 @@ class SyncTarget:
         rank, attempt = _rank(), self._check_attempt()
         pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size, self.part)
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
-        key = _weight_key(attempt, "weights", version, rank)
+        key = weight_key(attempt, "weights", version, rank)
         if self.channel is None:
             refs = [ray.put(p) if p else None for p in pieces]
             ray.get(self.mailbox.put.remote(key, (refs, nbytes)))
-        else:  # only the metadata goes through the mailbox; the data once the driver checked it
+        else:  # only the metadata goes through the mailbox; the data straight to the rollout ranks
             packed = [pack(p) for p in pieces]
-            offers = [(rank, m) if m else None for m, _ in packed]
-            ray.get(self.mailbox.put.remote(key, (offers, nbytes)))
-            refused = self.get(_weight_key(attempt, "go", version, rank))
-            if refused is not None:
-                raise WeightMismatchError(refused)
-            member(_generation(self.channel, attempt), rank).send_all([f for _, f in packed])
-        error = self.get(_weight_key(attempt, "ack", version, rank))
+            offers = [Offer(rank, m, f.numel()) if f is not None else None for m, f in packed]
+            sent = _Sent(version, offers, nbytes, [f for _, f in packed], engine=-1)
+            _LAST_SENT[(self.channel.host, self.channel.port)] = sent
+            self._offer(sent, attempt, rank)
+        error = self._wait(weight_key(attempt, "ack", version, rank), attempt, rank)
         if error is not None:
             raise WeightMismatchError(error)
         return sum(nbytes)
 
-    def get(self, key: str) -> Any:
-        """Wait for `key` in the mailbox (a batch the driver put, an acknowledgement)."""
+    def _offer(self, sent: _Sent, attempt: int, rank: int) -> None:
+        """tpu_dist: put the update's metadata in the mailbox, then send its data into the group of the
+        engine incarnation the mailbox names. A group forms once, when the driver says its engine joins
+        (a rollout worker lost before would leave the group waiting): meanwhile a replaced engine
+        redirects the offer. A failed transfer (a rollout worker lost) is left to the driver: it
+        replaces the engine and asks again (`_wait`), or ends the run (SyncError there)."""
+        import ray
+
+        assert self.channel is not None
+        key = weight_key(attempt, "weights", sent.version, rank)
+        sent.engine = ray.get(self.mailbox.put.remote(key, (sent.offers, sent.nbytes)))
+        channel = _generation(self.channel, attempt, sent.engine)
+        if not joined(channel, rank):
+            join, resend = join_key(attempt, sent.engine, rank), resend_key(attempt, rank)
+            while True:
+                got, value = self._first([resend, join], None, join)
+                if got == join:
+                    break
+                if value > sent.engine:  # replaced before it joined: offer to the new one instead
+                    return self._offer(sent, attempt, rank)
+        try:
+            member(channel, rank).send_all(sent.flats)
+        except Exception as e:  # noqa: BLE001 - the driver decides: resend into a new engine, or the end
+            logger.warning(
+                "tpuray.rl: sending update %d failed (%s); waiting for the driver", sent.version, e
+            )
+
+    def _first(self, keys: list[str], keep: str | None, waiting_for: str) -> tuple[str, Any]:
         import ray
 
         try:
-            return ray.get(self.mailbox.take.remote(key, self.timeout_s))
+            return ray.get(self.mailbox.first.remote(keys, keep, self.timeout_s))
         except ray.exceptions.RayActorError as e:
-            raise SyncError(f"the RL run's mailbox is gone while waiting for {key!r}: the run ended") from e
+            raise SyncError(
+                f"the RL run's mailbox is gone while waiting for {waiting_for!r}: the run ended"
+            ) from e
+
+    def _wait(self, key: str, attempt: int, rank: int, keep: bool = False) -> Any:
+        """The value under `key` (taken; `keep`: read). Over tpu_dist, while waiting, send the last
+        update again whenever the driver replaced the engine since it went (and wait for its ack)."""
+        resend = resend_key(attempt, rank) if self.channel is not None else None
+        keys = [key] if resend is None else [resend, key]
+        while True:
+            got, value = self._first(keys, key if keep else None, key)
+            if got == key:
+                return value
+            assert self.channel is not None
+            sent = _LAST_SENT.get((self.channel.host, self.channel.port))
+            if sent is None or sent.engine >= value:
+                continue  # nothing sent yet, or it went to this engine already
+            self._offer(sent, attempt, rank)
+            ack = weight_key(attempt, "ack", sent.version, rank)
+            if ack != key:
+                error = self._wait(ack, attempt, rank)
+                if error is not None:
+                    raise WeightMismatchError(error)
 
 
 # -- the rollout rank's side ----------------------------------------------------------------------------
@@ -288,65 +340,6 @@ def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> 
 
 
 # -- the driver's side ----------------------------------------------------------------------------------
-class _Mailbox:
-    """A key -> value store whose `take` waits for the key (an async Ray actor; values may hold
-    ObjectRefs, which stay borrowed until taken). Keys `attempt{n}/...` belong to trainer attempt n:
-    once attempt n puts one, an older attempt's entries are dropped and its late ones ignored."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-        self.events: dict[str, asyncio.Event] = {}
-        self.attempt = 0  # the newest trainer attempt that put a key
-        self.changed = asyncio.Event()  # set on every put (wakes `take_update`)
-
-    def _event(self, key: str) -> asyncio.Event:
-        return self.events.setdefault(key, asyncio.Event())
-
-    async def put(self, key: str, value: Any) -> None:
-        attempt = _attempt_of(key)
-        if attempt is not None and attempt < self.attempt:
-            return  # from the ranks of a trainer attempt that was replaced
-        if attempt is not None and attempt > self.attempt:
-            self.attempt = attempt
-            for old in [k for k in self.values if _attempt_of(k) not in (None, attempt)]:
-                del self.values[old]
-                self.events.pop(old, None)
-        self.values[key] = value
-        self._event(key).set()
-        self.changed.set()
-
-    async def _wait(self, key: str, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._event(key).wait(), timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s}s") from None
-
-    async def take(self, key: str, timeout_s: float) -> Any:
-        await self._wait(key, timeout_s)
-        self.events.pop(key, None)
-        return self.values.pop(key)
-
-    async def read(self, key: str, timeout_s: float) -> Any:
-        """Like `take`, but the value stays (batches: a restarted trainer takes them again)."""
-        await self._wait(key, timeout_s)
-        return self.values[key]
-
-    async def take_update(self, world_size: int) -> tuple[int, int, list[Any]]:
-        """(attempt, version, each rank's `weights` entry): the lowest version every rank of the newest
-        trainer attempt has sent, once there is one."""
-        while True:
-            prefix = _weight_prefix(self.attempt, "weights")
-            versions = {int(k[len(prefix) :].split("/")[0]) for k in self.values if k.startswith(prefix)}
-            for v in sorted(versions):
-                keys = [_weight_key(self.attempt, "weights", v, r) for r in range(world_size)]
-                if all(k in self.values for k in keys):
-                    for k in keys:
-                        self.events.pop(k, None)
-                    return self.attempt, v, [self.values.pop(k) for k in keys]
-            self.changed.clear()
-            await self.changed.wait()
-
-
 class WeightSync:
     """The driver's end of the sync between a trainer run of `trainer_world_size` ranks and a rollout
     engine of `tensor_parallel_size` ranks: a mailbox actor (no CPU) that ObjectRefs pass through."""
@@ -369,21 +362,25 @@ class WeightSync:
                 "object store (they join no tpu_dist group); valid: transport='object_store'"
             )
         self.world_size = trainer_world_size
+        self.formed: set[tuple[int, int]] = set()  # tpu_dist: (trainer attempt, engine) groups told to form
         self.rendezvous = (
             Rendezvous(trainer_world_size, tensor_parallel_size, timeout_s)
             if transport == "tpu_dist"
             else None
         )
-        self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(max_concurrency=1000).remote()
+        self.mailbox = (
+            ray.remote(num_cpus=0)(Mailbox).options(max_concurrency=1000).remote(trainer_world_size)
+        )
         channel = self.rendezvous.channel if self.rendezvous is not None else None
         self.target = SyncTarget(
             self.mailbox, tensor_parallel_size, timeout_s, channel=channel, vllm_config=vllm_config
         )
 
-    def put(self, key: str, value: Any) -> None:
+    def put_all(self, items: Mapping[str, Any]) -> None:
+        """Put each key's value in the mailbox (one actor call)."""
         import ray
 
-        ray.get(self.mailbox.put.remote(key, value))
+        ray.get(self.mailbox.put_all.remote(items))
 
     def receive(self, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
         """Wait for the next update every rank of the newest trainer attempt sent (its `version`: the
@@ -391,10 +388,10 @@ class WeightSync:
         waiting and raises when the trainer run ended (so a dead trainer does not hang the driver)."""
         import ray
 
-        pending = self.mailbox.take_update.remote(self.world_size)
+        pending = self.mailbox.take_update.remote()
         while not ray.wait([pending], timeout=POLL_S)[0]:
             alive()
-        attempt, version, sent_by_rank = ray.get(pending)
+        attempt, engine, version, sent_by_rank = ray.get(pending)
         tp = self.target.tensor_parallel_size
         refs: list[list[Any]] = [[] for _ in range(tp)]
         nbytes = [0] * tp
@@ -404,23 +401,25 @@ class WeightSync:
                     refs[r].append(sent[r])
                     nbytes[r] += sizes[r]
         channel = self.target.channel
-        channel = _generation(channel, attempt) if channel is not None else None
+        if channel is not None:
+            channel = _generation(channel, attempt, engine)
+            if (
+                attempt,
+                engine,
+            ) not in self.formed:  # the ranks wait to form the group until its engine joins
+                self.formed.add((attempt, engine))
+                self.put_all({join_key(attempt, engine, r): None for r in range(self.world_size)})
         return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), channel, version, attempt)
 
-    def release(self, update: TrainerUpdate, config: Mapping[str, Any]) -> None:
-        """tpu_dist: check the offered pieces' names and shapes against the engine's model (`config`)
-        and let the trainer ranks send, or tell them why not and raise WeightMismatchError (nothing
-        moved). Nothing to do for the object store (each rollout rank checks the pieces it pulled)."""
-        if update.channel is None:
-            return
-        error: str | None = None
-        try:
-            check_metas([[m for _, m in offers] for offers in update.refs], config)
-        except WeightMismatchError as e:
-            error = str(e)
-        self._to_ranks(update, "go", error)
-        if error is not None:
-            raise WeightMismatchError(error)
+    def replace_engine(self) -> None:
+        """A new rollout engine replaced a failed one. Over tpu_dist it forms a new group with the
+        trainer's ranks, and each rank sends its last update again into it (`receive` it next), also
+        one whose transfer failed with the old engine. Nothing to do over the object store (the driver
+        holds the last update's ObjectRefs)."""
+        import ray
+
+        if self.target.channel is not None:
+            ray.get(self.mailbox.replace_engine.remote())
 
     def ready(self, k: int, alive: Callable[[], None] = lambda: None) -> list[Any]:
         """Colocated: wait until every trainer rank waits for batch `k`; what each sent (its actor
@@ -440,13 +439,8 @@ class WeightSync:
 
     def ack(self, update: TrainerUpdate, error: str | None = None) -> None:
         """Tell every trainer rank that `update` was committed (or refused, with `error`)."""
-        self._to_ranks(update, "ack", error)
-
-    def _to_ranks(self, update: TrainerUpdate, what: str, error: str | None) -> None:
-        import ray
-
-        keys = [_weight_key(update.attempt, what, update.version, r) for r in range(self.world_size)]
-        ray.get([self.mailbox.put.remote(key, error) for key in keys])
+        acks = {weight_key(update.attempt, "ack", update.version, r): error for r in range(self.world_size)}
+        self.put_all(acks)
 
     def shutdown(self) -> None:
         """Kill the mailbox: a trainer rank waiting on it gets SyncError (its run ends)."""

@@ -1,0 +1,134 @@
+"""The RL run's mailbox: a small async Ray actor (no CPU) through which the driver and the trainer's ranks
+exchange batches, weight-update metadata (ObjectRefs or tpu_dist offers) and acknowledgements
+(`tpuray.rl.sync`). Values may hold ObjectRefs, which stay borrowed until taken.
+
+Keys `attempt{n}/...` belong to trainer attempt n: once attempt n puts one, an older attempt's entries
+are dropped and its late ones ignored. Weight entries are tagged with the rollout engine's incarnation
+(`engine`) when they arrive: over tpu_dist a replaced engine forms a new process group with the
+trainer's ranks, and `replace_engine` asks every rank of the newest attempt to send its last update
+again into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+ATTEMPT_PREFIX = "attempt"  # mailbox keys of one trainer attempt's weight updates: attempt{n}/...
+
+
+def attempt_of(key: str) -> int | None:
+    """The trainer attempt a key belongs to (None: a key of no attempt, such as a batch)."""
+    if not key.startswith(ATTEMPT_PREFIX):
+        return None
+    return int(key[len(ATTEMPT_PREFIX) : key.index("/")])
+
+
+def weight_prefix(attempt: int, what: str) -> str:
+    return f"{ATTEMPT_PREFIX}{attempt}/{what}/"
+
+
+def weight_key(attempt: int, what: str, version: int, rank: int) -> str:
+    """`what` ("weights", "ack") of update `version` from / to trainer rank `rank` of attempt `attempt`."""
+    return f"{weight_prefix(attempt, what)}{version}/{rank}"
+
+
+def resend_key(attempt: int, rank: int) -> str:
+    """Where trainer rank `rank` of attempt `attempt` is asked to send its last update again."""
+    return f"{ATTEMPT_PREFIX}{attempt}/resend/{rank}"
+
+
+def join_key(attempt: int, engine: int, rank: int) -> str:
+    """Where trainer rank `rank` of attempt `attempt` learns that engine incarnation `engine` joins their
+    tpu_dist group (its first update was handed to the engine)."""
+    return f"{ATTEMPT_PREFIX}{attempt}/join/{engine}/{rank}"
+
+
+class Mailbox:
+    """A key -> value store whose readers wait for their key (see the module docstring)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size  # the trainer's ranks
+        self.values: dict[str, Any] = {}
+        self.events: dict[str, asyncio.Event] = {}
+        self.attempt = 0  # the newest trainer attempt that put a key
+        self.engine = 0  # the rollout engine's incarnation (+1 per `replace_engine`)
+        self.changed = asyncio.Event()  # set on every put (wakes `take_update`)
+
+    def _event(self, key: str) -> asyncio.Event:
+        return self.events.setdefault(key, asyncio.Event())
+
+    async def put(self, key: str, value: Any) -> int:
+        """Store `value` under `key` (a weight entry tagged with the engine's incarnation); returns the
+        incarnation, which a tpu_dist sender's group is made for."""
+        attempt = attempt_of(key)
+        if attempt is not None and attempt < self.attempt:
+            return self.engine  # from the ranks of a trainer attempt that was replaced
+        if attempt is not None and attempt > self.attempt:
+            self.attempt = attempt
+            for old in [k for k in self.values if attempt_of(k) not in (None, attempt)]:
+                del self.values[old]
+                self.events.pop(old, None)
+        if key.startswith(weight_prefix(self.attempt, "weights")):
+            value = (*value, self.engine)
+        self.values[key] = value
+        self._event(key).set()
+        self.changed.set()
+        return self.engine
+
+    async def put_all(self, items: dict[str, Any]) -> None:
+        """`put` of each item, in one call."""
+        for key, value in items.items():
+            await self.put(key, value)
+
+    async def replace_engine(self) -> int:
+        """A new rollout engine replaced the failed one: its incarnation, and every rank of the newest
+        trainer attempt is asked to send its last update again (into the new engine's group)."""
+        self.engine += 1
+        for rank in range(self.world_size):
+            await self.put(resend_key(self.attempt, rank), self.engine)
+        return self.engine
+
+    async def _wait(self, key: str, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s}s") from None
+
+    async def take(self, key: str, timeout_s: float) -> Any:
+        await self._wait(key, timeout_s)
+        self.events.pop(key, None)
+        return self.values.pop(key)
+
+    async def first(self, keys: list[str], keep: str | None, timeout_s: float) -> tuple[str, Any]:
+        """(key, value) of the first of `keys` present, in their order, waiting up to `timeout_s` for
+        one: taken, except `keep`'s, which stays (batches: a restarted trainer takes them again)."""
+        waits = [asyncio.ensure_future(self._event(k).wait()) for k in keys]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        for key in keys:
+            if key in self.values:
+                if key == keep:
+                    return key, self.values[key]
+                self.events.pop(key, None)
+                return key, self.values.pop(key)
+        raise TimeoutError(f"nothing arrived under {' or '.join(map(repr, keys))} within {timeout_s}s")
+
+    async def take_update(self) -> tuple[int, int, int, list[Any]]:
+        """(attempt, engine, version, each rank's `weights` entry): the lowest version every rank of the
+        newest trainer attempt has sent for the current engine, once there is one."""
+        while True:
+            prefix = weight_prefix(self.attempt, "weights")
+            versions = {int(k[len(prefix) :].split("/")[0]) for k in self.values if k.startswith(prefix)}
+            for v in sorted(versions):
+                keys = [weight_key(self.attempt, "weights", v, r) for r in range(self.world_size)]
+                if all(k in self.values and self.values[k][-1] == self.engine for k in keys):
+                    for k in keys:
+                        self.events.pop(k, None)
+                    entries = [self.values.pop(k)[:-1] for k in keys]
+                    return self.attempt, self.engine, v, entries
+            self.changed.clear()
+            await self.changed.wait()
