@@ -89,17 +89,6 @@ class Mailbox:
             await self.put(resend_key(self.attempt, rank), self.engine)
         return self.engine
 
-    async def _wait(self, key: str, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._event(key).wait(), timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s}s") from None
-
-    async def take(self, key: str, timeout_s: float) -> Any:
-        await self._wait(key, timeout_s)
-        self.events.pop(key, None)
-        return self.values.pop(key)
-
     async def first(self, keys: list[str], keep: str | None, timeout_s: float) -> tuple[str, Any]:
         """(key, value) of the first of `keys` present, in their order, waiting up to `timeout_s` for
         one: taken, except `keep`'s, which stays (batches: a restarted trainer takes them again)."""
@@ -116,6 +105,10 @@ class Mailbox:
                 self.events.pop(key, None)
                 return key, self.values.pop(key)
         raise TimeoutError(f"nothing arrived under {' or '.join(map(repr, keys))} within {timeout_s}s")
+
+    async def take(self, key: str, timeout_s: float) -> Any:
+        """The value under `key`, taken, once it arrives (within `timeout_s`)."""
+        return (await self.first([key], None, timeout_s))[1]
 
     async def take_update(self) -> tuple[int, int, int, list[Any]]:
         """(attempt, engine, version, each rank's `weights` entry): the lowest version every rank of the

@@ -403,10 +403,7 @@ class WeightSync:
         channel = self.target.channel
         if channel is not None:
             channel = _generation(channel, attempt, engine)
-            if (
-                attempt,
-                engine,
-            ) not in self.formed:  # the ranks wait to form the group until its engine joins
+            if (attempt, engine) not in self.formed:  # the ranks form the group once its engine joins
                 self.formed.add((attempt, engine))
                 self.put_all({join_key(attempt, engine, r): None for r in range(self.world_size)})
         return TrainerUpdate(tuple(tuple(r) for r in refs), tuple(nbytes), channel, version, attempt)
