@@ -5,6 +5,9 @@ replaced: test_sync.py)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import _rl_loops  # noqa: E402
 import pytest
 import ray.cloudpickle
@@ -26,18 +29,31 @@ def _no_group_left(pg_leak_check) -> None:
     pg_leak_check()  # ray.util.placement_group_table(): no live group beyond those before the test
 
 
+def _kill(actor) -> None:
+    """Kill a trainer worker and wait until it is gone (so that the engine's next call fails)."""
+    ray.kill(actor, no_restart=True)
+    try:
+        while True:
+            ray.get(actor.__ray_call__.remote(lambda self: None), timeout=30)
+            time.sleep(0.1)
+    except ray.exceptions.RayActorError:
+        pass
+
+
 def test_colocated_run_and_failures(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, monkeypatch
 ):
     """Colocated: one slice, reserved by the trainer; the engine's TP ranks are the trainer's workers
     (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache) while the trainer trains,
-    takes update k+1 while asleep and wakes up with it. A killed trainer worker (the engine's rank too)
-    ends the run with RLRunError; a disaggregated run whose trainer slice is held elsewhere releases the
+    takes update k+1 while asleep and wakes up with it. With trainer restarts, a killed trainer worker
+    (the engine's rank too) restarts the trainer and the engine in the new workers, with the last update;
+    past max_failures the run ends with RLRunError. A disaggregated run whose trainer slice is held elsewhere releases the
     rollout slice it had. Nothing is left."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from tpuray.rl.colocate import HostedGroup
-    from tpuray.train import RunConfig, ScalingConfig
+    from tpuray.train import FailureConfig, RunConfig, ScalingConfig
+    from tpuray.train.checkpoint import join, read_text
 
     def run(name: str, placement: str, rollout_fn, rollout: RolloutConfig, iterations: int = 2):
         rl = RLRun(
@@ -70,13 +86,41 @@ def test_colocated_run_and_failures(
     assert len({tuple(h) for h in hosts}) == 1  # the same two trainer workers all along
     _no_group_left(pg_leak_check)
 
-    def killing(engine, k: int) -> list:
-        if k == 1:
-            ray.kill(engine.group.actors[1], no_restart=True)  # a trainer worker, also engine rank 1
-        return _greedy(engine)
+    # FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed while the
+    # engine generates batch 1, after checkpoint 0 (next iteration: 1) is committed. The trainer restarts
+    # from it (attempt 1, at iteration 1, so nothing is re-sent); the next engine starts in the new
+    # workers with update 1, whose objects the mailbox owns (the dead attempt's rank 0 put them), and
+    # generates batch 1 again. A second kill (batch 2) is past max_failures: RLRunError.
+    calls: list = []
+    seen: list = []
 
-    with pytest.raises(RLRunError, match=r"RolloutEngineError|the trainer failed"):
-        run("colocated-kill", "colocated", killing, colocated)
+    def killing(engine, k: int) -> list:
+        calls.append((k, tuple(engine.group.actors)))
+        if k == 2 or (k == 1 and len(calls) == 2):
+            state = join(f"file://{tmp_path}", "colocated-restart", "run_state.json")
+            while k == 1 and json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
+                time.sleep(0.2)
+            _kill(engine.group.actors[1])
+        seen.append(_greedy(engine))
+        return seen[-1]
+
+    restarts = RunConfig(
+        storage_path=f"file://{tmp_path}",
+        name="colocated-restart",
+        failure_config=FailureConfig(max_failures=1),
+    )
+    rl = RLRun(
+        RLConfig(colocated, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        _rl_loops.restart_loop,
+        train_loop_config={"path": tiny_models[1], "kill_at": -1},
+        run_config=restarts,
+    )
+    with pytest.raises(RLRunError, match=r"the trainer failed") as ended:
+        rl.run(3, killing)
+    assert [k for k, _ in calls] == [0, 1, 1, 2], ended.value  # batch 1 again, by the new engine
+    assert calls[0][1] == calls[1][1] != calls[2][1] == calls[3][1]  # its workers are the new attempt's
+    assert seen == [reference[w] for w in "ab"]  # batch 1 by the new engine: update 1, reloaded from the
+    # lost attempt's objects
     _no_group_left(pg_leak_check)
 
     # disaggregated, atomic: one slice is held elsewhere, so the trainer's cannot be had in time

@@ -111,9 +111,8 @@ def test_rl_config_refuses_bad_values(tiny_models):
     colocated = RLConfig(
         RolloutConfig(tiny_models[0]), ok["trainer"], placement="colocated", weight_sync="object_store"
     )
-    with pytest.raises(ConfigError, match=r"max_failures=1\) with RLConfig.placement='colocated' is not"):
-        RLRun(colocated, _rl_loops.rl_loop, run_config=restarts)
-    RLRun(RLConfig(**ok), _rl_loops.rl_loop, run_config=restarts)  # disaggregated: restartable
+    for config in (colocated, RLConfig(**ok)):  # trainer restarts: both placements (test_placement.py)
+        RLRun(config, _rl_loops.rl_loop, run_config=restarts)
 
 
 def test_rl_run_syncs_from_a_tpuray_train_run(
@@ -121,13 +120,14 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
     on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
-    rollout rank, and the engine generates the sent model's tokens one batch later; an FSDP2 update
-    missing a tensor is refused over tpu_dist (after the transfer, before anything is staged). DDP
-    sequential over the object store: rank 0 sends all, a rollout worker killed before batch 1 is
-    replaced (RLConfig.rollout_max_failures=1: a new engine, the last update reloaded), the tokens change
-    from the next batch on, then an update missing a tensor is refused. Then (tpu_dist, the group
-    spanning both sides) a rollout worker dies. A failure or refusal ends the run with RLRunError (the
-    trainer's own failure: test_placement.py); no worker or placement group is left."""
+    rollout rank, and the engine generates the sent model's tokens one batch later, while rollout workers
+    die at batches 1 and 2 (RLConfig.rollout_max_failures=2: new engines, the updates sent again). DDP
+    sequential over the object store: rank 0 sends all, a rollout worker killed at batch 1 is replaced
+    (a new engine, the last update reloaded), the tokens change from the next batch on, and a second
+    loss is past rollout_max_failures=1. DDP sequential over tpu_dist: a restart, then an update missing
+    a tensor refused after the transfer, before anything is staged. A failure or refusal ends the run
+    with RLRunError (the trainer's own failure: test_placement.py); no worker or placement group is
+    left."""
     import ray
 
     from tpuray.train import RunConfig, ScalingConfig
@@ -186,41 +186,36 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated x2
     assert result.times[0].sync > 0 and result.times[2].sync > 0  # (update 2: in the restart, likely)
 
-    # FSDP2 over tpu_dist, the first update missing a tensor: the trainer ranks send at once, the engine's
-    # workers take every byte offered, then refuse it before anything is staged; every trainer rank raises
     drop = "model.layers.1.mlp.down_proj.weight"
-    with pytest.raises(RLRunError, match=rf"update 1 was refused: .*'{drop}' .* is missing"):
-        run("refused", False, 1, lambda engine, k: _greedy(engine), "tpu_dist", strategy="fsdp2", drop=drop)
-    assert not alive_actors("TrainWorker")
-
     seen: list = []
-    engines: list = []
-
-    def recording(engine: RolloutEngine, k: int) -> list:
-        engines.append(engine)
-        if k == 1 and len(engines) == 2:  # a rollout worker dies: rollout_max_failures=1 replaces the engine
-            ray.kill(engine.group.actors[1], no_restart=True)
-        seen.append(_greedy(engine))
-        return seen[-1]
-
     # DDP over the object store: rank 0 sends all, the tokens change from the next batch on (batch 1 from a
-    # new engine, its killed predecessor's update 1 reloaded from the ObjectRefs the run holds); update 3
-    # lacks a tensor and is refused before anything is written (the engine keeps update 2), ending the run
-    with pytest.raises(RLRunError, match=rf"update 3 was refused: .*'{drop}' .* is missing"):
-        run("ddp", False, 3, recording, restarts=1, strategy="ddp", drop=drop, drop_at=2)
-    assert seen == [reference[w] for w in "abb"]
-    assert len(engines) == 4 and engines[1] is engines[0] and engines[2] is not engines[1]
+    # new engine, its killed predecessor's update 1 reloaded from the ObjectRefs the run holds); the
+    # new engine loses a worker at batch 2: past rollout_max_failures=1, the run ends
+    with pytest.raises(
+        RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
+    ):
+        run("ddp", False, 3, killing({1, 2}, seen), restarts=1, strategy="ddp")
+    assert seen == [reference[w] for w in "ab"]  # batch 1 from the new engine, update 1 reloaded
     assert not alive_actors("TrainWorker")
     pg_leak_check()
 
     # DDP sequential over tpu_dist: the engine holding update 1 loses a worker at batch 1; rank 0 sends
-    # update 1 again into its replacement (batch 1 shows it), whose own worker dies at batch 2: past
-    # rollout_max_failures=1, the run ends
+    # update 1 again into its replacement (batch 1 shows it); update 2 lacks a tensor: rank 0 sends at
+    # once, the engine's workers take every byte offered, then refuse it before anything is staged
+    # (the engine keeps update 1) and the run ends
     seen.clear()
-    with pytest.raises(
-        RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
-    ):
-        run("rollout-fails", False, 3, killing({1, 2}, seen), "tpu_dist", restarts=1, strategy="ddp")
+    with pytest.raises(RLRunError, match=rf"update 2 was refused: .*'{drop}' .* is missing"):
+        run(
+            "tpu-dist-ddp",
+            False,
+            3,
+            killing({1}, seen),
+            "tpu_dist",
+            restarts=1,
+            strategy="ddp",
+            drop=drop,
+            drop_at=1,
+        )
     assert seen == [reference[w] for w in "ab"]  # batch 1 from the new engine, with update 1 sent again
     assert not alive_actors("TrainWorker")
     pg_leak_check()

@@ -25,6 +25,7 @@ from tpuray.serve.llm import model_source
 
 logger = logging.getLogger(__name__)
 UNLOAD_TIMEOUT_S = 10.0
+ALIVE_TIMEOUT_S = 10.0
 
 _hosted: RolloutWorker | None = None  # in a trainer worker's process: its rollout rank
 
@@ -38,6 +39,10 @@ def _on_host(actor: Any, method: str, *args: Any) -> Any:
     if _hosted is None:
         _hosted = RolloutWorker()
     return getattr(_hosted, method)(*args)
+
+
+def _noop(actor: Any) -> None:
+    return None
 
 
 class HostedGroup:
@@ -69,6 +74,18 @@ class HostedGroup:
 
     def node_ids(self) -> list[str]:
         return []
+
+    def all_alive(self, timeout_s: float = ALIVE_TIMEOUT_S) -> bool:
+        """False once a trainer worker is gone (its actor died); a slow answer counts as alive."""
+        import ray
+
+        try:
+            ray.get([a.__ray_call__.remote(_noop) for a in self._actors], timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return True
 
     def shutdown(self, graceful: bool = True) -> None:
         """Unload the engine from the trainer's workers (best effort: they may be gone already)."""
@@ -115,3 +132,8 @@ class ColocatedRolloutEngine(RolloutEngine):
     @property
     def tensor_parallel_size(self) -> int:
         return len(self._hosts)
+
+    def hosts_alive(self) -> bool:
+        """Whether every trainer worker hosting a rank is still alive."""
+        group = self._engine.group
+        return isinstance(group, HostedGroup) and group.all_alive()

@@ -38,10 +38,29 @@ def resend_key(attempt: int, rank: int) -> str:
     return f"{ATTEMPT_PREFIX}{attempt}/resend/{rank}"
 
 
+def ready_key(attempt: int, k: int, rank: int) -> str:
+    """Where trainer rank `rank` of attempt `attempt` says it waits for batch `k` (colocated)."""
+    return f"{ATTEMPT_PREFIX}{attempt}/ready/{k}/{rank}"
+
+
 def join_key(attempt: int, engine: int, rank: int) -> str:
     """Where trainer rank `rank` of attempt `attempt` learns that engine incarnation `engine` joins their
     tpu_dist group (its first update was handed to the engine)."""
     return f"{ATTEMPT_PREFIX}{attempt}/join/{engine}/{rank}"
+
+
+_STAGED: dict[str, list[Any]] = {}  # in a trainer worker's process: pieces waiting for `hand_over`
+
+
+def stage(key: str, pieces: list[Any]) -> None:
+    """In a trainer rank: keep an update's non-empty pieces for the mailbox to take (`hand_over`)."""
+    _STAGED[key] = pieces
+
+
+def _give(actor: Any, key: str) -> Any:
+    """Runs in the trainer rank's process (`__ray_call__`): its staged pieces, one return value each."""
+    pieces = _STAGED.pop(key)
+    return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
 
 class Mailbox:
@@ -81,6 +100,26 @@ class Mailbox:
         for key, value in items.items():
             await self.put(key, value)
 
+    async def hand_over(self, key: str, actor: Any, mask: list[bool], nbytes: list[int]) -> int:
+        """`put(key, (refs, nbytes))` of a rank's staged pieces (`stage`), taken as return values of a
+        call into `actor` (the rank's): owned here, they outlive the rank. The entry shows once they are
+        taken (a colocated engine rank pulling them runs in the same actors, whose calls would queue
+        behind its pull). `mask[r]`: rollout rank r has a piece (else None)."""
+        attempt = attempt_of(key)
+        if attempt is not None and attempt < self.attempt:
+            return self.engine
+        import ray
+
+        n = sum(mask)
+        got = actor.__ray_call__.options(num_returns=n).remote(_give, key) if n else []
+        refs = [got] if n == 1 else list(got)
+        if refs:  # taken before the entry shows: a rollout rank pulling them must not wait on the rank
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: ray.wait(refs, num_returns=n, fetch_local=False)
+            )
+        taken = iter(refs)
+        return await self.put(key, ([next(taken) if m else None for m in mask], nbytes))
+
     async def replace_engine(self) -> int:
         """A new rollout engine replaced the failed one: its incarnation, and every rank of the newest
         trainer attempt is asked to send its last update again (into the new engine's group)."""
@@ -109,6 +148,22 @@ class Mailbox:
     async def take(self, key: str, timeout_s: float) -> Any:
         """The value under `key`, taken, once it arrives (within `timeout_s`)."""
         return (await self.first([key], None, timeout_s))[1]
+
+    async def take_ready(self, k: int) -> tuple[int, list[Any]]:
+        """(attempt, each rank's actor handle) once every rank of the newest trainer attempt waits for
+        batch `k` (colocated); that attempt's older ready entries go."""
+        while True:
+            keys = [ready_key(self.attempt, k, r) for r in range(self.world_size)]
+            if all(key in self.values for key in keys):
+                hosts = [self.values[key] for key in keys]
+                stale = weight_prefix(self.attempt, "ready")
+                for old in [key for key in self.values if key.startswith(stale)]:
+                    if int(old[len(stale) :].split("/")[0]) <= k:
+                        del self.values[old]
+                        self.events.pop(old, None)
+                return self.attempt, hosts
+            self.changed.clear()
+            await self.changed.wait()
 
     async def take_update(self) -> tuple[int, int, int, list[Any]]:
         """(attempt, engine, version, each rank's `weights` entry): the lowest version every rank of the

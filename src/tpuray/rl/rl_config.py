@@ -157,16 +157,3 @@ class RLConfig:
         if self.placement == "colocated":
             return self.trainer_world_size
         return self.rollout.tensor_parallel_size
-
-
-def check_restarts(config: RLConfig, max_failures: int) -> None:
-    """Trainer restarts (FailureConfig(max_failures) != 0) need the engine on a slice of its own, which
-    outlives the trainer's workers (docs/rl.md, "Reservation and failures")."""
-    if max_failures == 0:
-        return
-    if config.placement == "colocated":
-        raise ConfigError(
-            f"FailureConfig(max_failures={max_failures}) with RLConfig.placement='colocated' is not "
-            "supported: the engine runs in the trainer's workers, and a restart replaces them; valid: "
-            "max_failures=0, or placement='disaggregated'"
-        )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.rl.engine import RolloutEngine, RolloutEngineError
-from tpuray.rl.rl_config import RLConfig, check_restarts
+from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.sync import WeightSync
 from tpuray.validation import ConfigError
 
@@ -82,11 +82,12 @@ class RLRun:
     way, or of either side later, releases both and raises RLRunError. Colocated: only the trainer's
     slice is reserved, and the engine starts in its workers once they wait for batch 0.
 
-    Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0;
-    disaggregated only, colocated refused by name) a lost trainer worker or host restarts the trainer's
-    worker group (tpuray.train's fault tolerance); the loop resumes from `tpuray.train.get_checkpoint()`
-    and takes the batches after it again (the driver keeps them), the engine loads the versions it
-    re-sends (over "tpu_dist" each attempt forms its own group with the engine's workers). Past N, or a
+    Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0)
+    a lost trainer worker or host restarts the trainer's worker group (tpuray.train's fault tolerance);
+    the loop resumes from `tpuray.train.get_checkpoint()` and takes the batches after it again (the
+    driver keeps them), the engine loads the versions it re-sends (over "tpu_dist" each attempt forms its
+    own group with the engine's workers; colocated, the next engine starts in the new workers with the
+    last update: `_hosted_engine`, docs/rl.md "Colocated restarts"). Past N, or a
     rollout-side failure past RLConfig.rollout_max_failures (a failed engine replaced: `_restart_engine`):
     RLRunError."""
 
@@ -105,7 +106,6 @@ class RLRun:
         run_config = run_config or RunConfig()
         if not isinstance(run_config, RunConfig):
             raise ConfigError(f"run_config must be a tpuray.train.RunConfig, got {run_config!r}")
-        check_restarts(config, run_config.failure_config.max_failures)
         self.config = config
         self.train_loop = train_loop
         self.train_loop_config = dict(train_loop_config or {})
@@ -115,6 +115,7 @@ class RLRun:
         self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
         self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
         self._attempt = 0  # the trainer attempt whose updates the engine loads
+        self._engine_attempt = 0  # colocated: the trainer attempt whose workers host the engine
         self._last_update: Any = None  # the latest update the engine loaded: a new engine reloads it
         self._rollout_restarts = 0
 
@@ -284,19 +285,49 @@ class RLRun:
 
     def _rollout(self, sync: WeightSync, k: int, rollout_fn: RolloutFn) -> tuple[Any, int]:
         """(batch k, bytes the engine then freed). Colocated: once every trainer rank waits for it, the
-        engine (started in the trainer's workers at k=0, woken up after) generates, then sleeps so that
-        the trainer has the chips."""
+        engine (started in the trainer's workers, woken up after) generates, then sleeps so that the
+        trainer has the chips. A colocated engine lost with a trainer worker (FailureConfig restarts):
+        the next one starts in the restarted attempt's workers, with the last update."""
         if self.config.placement == "disaggregated":
             return self._on_engine(sync, lambda engine: rollout_fn(engine, k)), 0
-        hosts = sync.ready(k, self._alive)
-        if self._engine is None:
-            from tpuray.rl.colocate import ColocatedRolloutEngine
+        while True:
+            attempt, hosts = sync.ready(k, self._alive, functools.partial(self._take_update, sync))
+            try:
+                engine = self._hosted_engine(attempt, hosts)
+                batch = rollout_fn(engine, k)
+                return batch, engine.sleep()
+            except RolloutEngineError as e:
+                self._drop_lost_engine(e)
 
-            self._engine = ColocatedRolloutEngine(self.config.rollout, hosts)
-        else:
+    def _hosted_engine(self, attempt: int, hosts: list[Any]) -> RolloutEngine:
+        """Colocated: the engine in trainer attempt `attempt`'s workers `hosts`, awake."""
+        from tpuray.rl.colocate import ColocatedRolloutEngine
+
+        if self._engine is not None and self._engine_attempt != attempt:
+            self._shutdown_engine()  # its workers were an earlier attempt's
+        if self._engine is not None:
             self._engine.wake_up()
-        batch = rollout_fn(self._engine, k)
-        return batch, self._engine.sleep()
+            return self._engine
+        self._engine, self._engine_attempt = ColocatedRolloutEngine(self.config.rollout, hosts), attempt
+        if self._last_update is not None:  # its objects are the mailbox's: they outlive a lost attempt
+            self._engine.update_weights(self._last_update)
+        return self._engine
+
+    def _drop_lost_engine(self, error: RolloutEngineError) -> None:
+        """Colocated: a failed engine whose workers died with a trainer worker is dropped when the trainer
+        restarts (FailureConfig); any other failure is raised."""
+        from tpuray.rl.colocate import ColocatedRolloutEngine
+
+        engine = self._engine
+        assert isinstance(engine, ColocatedRolloutEngine)
+        if self.run_config.failure_config.max_failures == 0 or engine.hosts_alive():
+            raise error
+        logger.warning(
+            "tpuray.rl: the colocated engine failed with a trainer worker (%s); the restarted trainer's "
+            "workers will host the next one",
+            error,
+        )
+        self._shutdown_engine()
 
     def _sync_to(self, sync: WeightSync, version: int) -> tuple[Any, float, float]:
         """Load the trainer's updates into the engine up to `version`'s: (that update, seconds waiting
@@ -312,13 +343,32 @@ class RLRun:
             t0 = time.perf_counter()
             update = sync.receive(self._alive)
             t1 = time.perf_counter()
-            self._note_attempt(update)
-            self._on_engine(sync, functools.partial(self._update, sync=sync, update=update))
-            self._last_update = update
-            self._versions.append(update.version)
+            self._take_update(sync, update)
             wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
             if update.version >= version:
                 return update, wait_s, sync_s
+
+    def _take_update(self, sync: WeightSync, update: Any) -> None:
+        """Load `update` into the engine (the last one the rollout side holds). Colocated without an
+        engine (lost with a trainer attempt): kept for the next engine, and acknowledged."""
+        self._note_attempt(update)
+        if self.config.placement == "disaggregated":
+            self._on_engine(sync, functools.partial(self._update, sync=sync, update=update))
+        else:
+            self._load_hosted(sync, update)
+        self._last_update = update
+        self._versions.append(update.version)
+
+    def _load_hosted(self, sync: WeightSync, update: Any) -> None:
+        if self._engine is not None and self._engine_attempt != update.attempt:
+            self._shutdown_engine()  # its workers were an earlier attempt's
+        if self._engine is None:
+            sync.ack(update)
+            return
+        try:
+            self._load(self._engine, sync, update)
+        except RolloutEngineError as e:
+            self._drop_lost_engine(e)  # the sender's attempt is lost too: no acknowledgement awaited
 
     def _note_attempt(self, update: Any) -> None:
         if update.attempt != self._attempt:

@@ -24,8 +24,9 @@ trainer attempt (`TrainContext.get_attempt()`); the mailbox forgets an older att
 newer one sends, `receive` returns the newest attempt's first complete update (a restarted trainer
 re-sends the versions after its checkpoint), and batches stay in the mailbox so that a restarted rank
 can take batch k again. Over "tpu_dist" each attempt forms its own group with the engine's workers
-(`Channel.generation`); the colocated engine lives in the first attempt's processes: a restarted rank
-refuses to go on with it (SyncError, the run ends).
+(`Channel.generation`). Colocated, a rank says where it waits (`ready` keys, with its actor handle, where
+the next engine starts after a restart) and its pieces are handed to the mailbox, which owns them
+(`Mailbox.hand_over`): the last update outlives a lost attempt.
 
 Rollout restarts (docs/rl.md "Rollout restarts"): over "object_store" the driver reloads the last
 update's ObjectRefs into the new engine. Over "tpu_dist" the new engine is a new incarnation
@@ -46,7 +47,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
-from tpuray.rl.mailbox import Mailbox, join_key, resend_key, weight_key
+from tpuray.rl.mailbox import Mailbox, join_key, ready_key, resend_key, stage, weight_key
 from tpuray.rl.vllm_layout import vllm_part
 from tpuray.rl.weights import (
     PartFn,
@@ -223,40 +224,33 @@ class SyncTarget:
 
     def batch(self, k: int) -> Any:
         """Batch k of an `RLRun` (what its rollout_fn returned), once the driver has it. Colocated, the
-        rank first says it waits here (with its actor handle at k=0): the driver generates only while
-        every rank waits, so the engine's collectives never meet the trainer's."""
+        rank first says it waits here (with its actor handle, where the engine runs): the driver
+        generates only while every rank waits, so the engine's collectives never meet the trainer's."""
         import ray
 
-        rank, attempt = _rank(), self._check_attempt()
+        rank, attempt = _rank(), _attempt()
         if self.colocated:
-            me = ray.get_runtime_context().current_actor if k == 0 else None
-            ray.get(self.mailbox.put.remote(f"ready/{k}/{rank}", me))
+            me = ray.get_runtime_context().current_actor
+            ray.get(self.mailbox.put.remote(ready_key(attempt, k, rank), me))
         # read, not taken: a restarted trainer takes the batches after its checkpoint again
         ref = self._wait(f"batch/{k}/{rank}", attempt, rank, keep=True)
         return ray.get(ref[0])
-
-    def _check_attempt(self) -> int:
-        """This worker's trainer attempt; a restarted one (attempt > 0) cannot go on with a colocated
-        engine: it ran in the first attempt's processes."""
-        attempt = _attempt()
-        if attempt > 0 and self.colocated:
-            raise SyncError(
-                f"the trainer restarted (attempt {attempt}); an RLRun with RLConfig placement='colocated' "
-                "cannot resume with new trainer workers (its engine ran in the lost ones), so the run "
-                "ends; valid for restarts: placement='disaggregated'"
-            )
-        return attempt
 
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
         """Send this rank's part of the model's weights as update `version` and wait until the engine
         committed it (or refused it: WeightMismatchError). Call on every trainer rank. Returns bytes sent."""
         import ray
 
-        rank, attempt = _rank(), self._check_attempt()
+        rank, attempt = _rank(), _attempt()
         pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size, self.part)
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
         key = weight_key(attempt, "weights", version, rank)
-        if self.channel is None:
+        if self.colocated:  # owned by the mailbox: the next engine may load them after this rank is gone
+            if any(pieces):
+                stage(key, [p for p in pieces if p])
+            me = ray.get_runtime_context().current_actor
+            ray.get(self.mailbox.hand_over.remote(key, me, [bool(p) for p in pieces], nbytes))
+        elif self.channel is None:
             refs = [ray.put(p) if p else None for p in pieces]
             ray.get(self.mailbox.put.remote(key, (refs, nbytes)))
         else:  # only the metadata goes through the mailbox; the data straight to the rollout ranks
@@ -363,6 +357,7 @@ class WeightSync:
             )
         self.world_size = trainer_world_size
         self.formed: set[tuple[int, int]] = set()  # tpu_dist: (trainer attempt, engine) groups told to form
+        self._pending_update: Any = None  # the mailbox's take_update call, while no update came of it
         self.rendezvous = (
             Rendezvous(trainer_world_size, tensor_parallel_size, timeout_s)
             if transport == "tpu_dist"
@@ -388,9 +383,21 @@ class WeightSync:
         waiting and raises when the trainer run ended (so a dead trainer does not hang the driver)."""
         import ray
 
-        pending = self.mailbox.take_update.remote()
+        pending = self._update_call()
         while not ray.wait([pending], timeout=POLL_S)[0]:
             alive()
+        return self._taken(pending)
+
+    def _update_call(self) -> Any:
+        """The mailbox's `take_update` call: the one outstanding, else a new one."""
+        if self._pending_update is None:
+            self._pending_update = self.mailbox.take_update.remote()
+        return self._pending_update
+
+    def _taken(self, pending: Any) -> TrainerUpdate:
+        import ray
+
+        self._pending_update = None
         attempt, engine, version, sent_by_rank = ray.get(pending)
         tp = self.target.tensor_parallel_size
         refs: list[list[Any]] = [[] for _ in range(tp)]
@@ -418,21 +425,27 @@ class WeightSync:
         if self.target.channel is not None:
             ray.get(self.mailbox.replace_engine.remote())
 
-    def ready(self, k: int, alive: Callable[[], None] = lambda: None) -> list[Any]:
-        """Colocated: wait until every trainer rank waits for batch `k`; what each sent (its actor
-        handle at k=0), in rank order."""
-        return self._take_all(f"ready/{k}", alive)
-
-    def _take_all(self, prefix: str, alive: Callable[[], None]) -> list[Any]:
-        """`prefix/r` of every trainer rank r, polling `alive()` while waiting."""
+    def ready(
+        self,
+        k: int,
+        alive: Callable[[], None] = lambda: None,
+        on_update: Callable[[TrainerUpdate], None] = lambda update: None,
+    ) -> tuple[int, list[Any]]:
+        """Colocated: wait until every rank of the newest trainer attempt waits for batch `k`: (that
+        attempt, the ranks' actor handles in rank order). Updates arriving meanwhile (a restarted
+        trainer re-sending the versions after its checkpoint) go to `on_update`."""
         import ray
 
-        pending = [self.mailbox.take.remote(f"{prefix}/{r}", 1e9) for r in range(self.world_size)]
+        pending = self.mailbox.take_ready.remote(k)
         while True:
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            if len(ready) == len(pending):
-                return list(ray.get(pending))
-            alive()
+            update = self._update_call()
+            done, _ = ray.wait([pending, update], num_returns=1, timeout=POLL_S)
+            if pending in done:
+                return tuple(ray.get(pending))
+            if update in done:
+                on_update(self._taken(update))
+            else:
+                alive()
 
     def ack(self, update: TrainerUpdate, error: str | None = None) -> None:
         """Tell every trainer rank that `update` was committed (or refused, with `error`)."""
