@@ -50,7 +50,7 @@ def rl_loop(config: dict) -> list:
 
 
 def restart_loop(config: dict) -> dict:
-    """An RLRun's trainer (DDP) that checkpoints the next iteration after each update and resumes from
+    """An RLRun's trainer (DDP, or `strategy`) that checkpoints the next iteration after each update and resumes from
     `train.get_checkpoint()`. On the first attempt rank 1, once it sent update `kill_at + 1` and the
     checkpoint before it is committed, kills its own worker (`ray.kill`) instead of checkpointing: the
     restarted attempt resumes at iteration `kill_at` and re-sends that update, which the engine holds."""
@@ -66,7 +66,7 @@ def restart_loop(config: dict) -> dict:
     from tpuray.train.checkpoint import join, read_text
 
     rl, ctx = config["rl"], train.get_context()
-    model = load_policy(config["path"], "ddp")
+    model = load_policy(config["path"], config.get("strategy", "ddp"))
     start, restored = 0, train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d, open(os.path.join(d, "rl.json")) as f:

@@ -46,8 +46,8 @@ def test_colocated_run_and_failures(
     """Colocated: one slice, reserved by the trainer; the engine's TP ranks are the trainer's workers
     (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache) while the trainer trains,
     takes update k+1 while asleep and wakes up with it. With trainer restarts, a killed trainer worker
-    (the engine's rank too) restarts the trainer and the engine in the new workers, with the last update;
-    past max_failures the run ends with RLRunError. A disaggregated run whose trainer slice is held elsewhere releases the
+    (the engine's rank too) restarts the trainer and the engine in the new workers, with the last update.
+    A disaggregated run whose trainer slice is held elsewhere releases the
     rollout slice it had. Nothing is left."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -55,72 +55,42 @@ def test_colocated_run_and_failures(
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
     from tpuray.train.checkpoint import join, read_text
 
-    def run(name: str, placement: str, rollout_fn, rollout: RolloutConfig, iterations: int = 2):
-        rl = RLRun(
-            RLConfig(
-                rollout,
-                ScalingConfig(**SCALING),
-                placement=placement,  # type: ignore[arg-type]
-                weight_sync="object_store" if placement == "colocated" else "tpu_dist",  # colocated's one
-            ),
-            _rl_loops.rl_loop,
-            train_loop_config={"path": tiny_models[1], "strategy": "fsdp2"},
-            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
-        )
-        return rl.run(iterations, rollout_fn)
-
+    # FSDP2 with FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed
+    # while the engine generates batch 1, after checkpoint 0 (next iteration: 1) is committed. The
+    # trainer restarts from it (attempt 1, at iteration 1, so nothing is re-sent); the next engine starts
+    # in the new workers with update 1, whose objects the mailbox owns (both lost ranks staged them), and
+    # generates batch 1 again
     colocated = RolloutConfig(tiny_models[0], max_model_len=64)
-    hosts: list = []
-
-    def recording(engine, k: int) -> list:
-        assert isinstance(engine.group, HostedGroup) and not engine.asleep
-        hosts.append(engine.group.actors)
-        return _greedy(engine)
-
-    result = run("colocated", "colocated", recording, colocated)
-    assert result.batches == [reference[w] for w in "ab"]  # on-policy: update 1 (asleep) before batch 1
-    assert result.train_result.return_value == result.batches
-    full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    assert all(t.freed > full for t in result.times)  # both ranks' weight shards + KV caches
-    assert [t.senders for t in result.times] == [2, 2]
-    assert len({tuple(h) for h in hosts}) == 1  # the same two trainer workers all along
-    _no_group_left(pg_leak_check)
-
-    # FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed while the
-    # engine generates batch 1, after checkpoint 0 (next iteration: 1) is committed. The trainer restarts
-    # from it (attempt 1, at iteration 1, so nothing is re-sent); the next engine starts in the new
-    # workers with update 1, whose objects the mailbox owns (the dead attempt's rank 0 put them), and
-    # generates batch 1 again. A second kill (batch 2) is past max_failures: RLRunError.
     calls: list = []
-    seen: list = []
 
     def killing(engine, k: int) -> list:
+        assert isinstance(engine.group, HostedGroup) and not engine.asleep
         calls.append((k, tuple(engine.group.actors)))
-        if k == 2 or (k == 1 and len(calls) == 2):
-            state = join(f"file://{tmp_path}", "colocated-restart", "run_state.json")
-            while k == 1 and json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
+        if k == 1 and len(calls) == 2:
+            state = join(f"file://{tmp_path}", "colocated", "run_state.json")
+            while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
                 time.sleep(0.2)
             _kill(engine.group.actors[1])
-        seen.append(_greedy(engine))
-        return seen[-1]
+        return _greedy(engine)
 
-    restarts = RunConfig(
-        storage_path=f"file://{tmp_path}",
-        name="colocated-restart",
-        failure_config=FailureConfig(max_failures=1),
-    )
     rl = RLRun(
         RLConfig(colocated, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
         _rl_loops.restart_loop,
-        train_loop_config={"path": tiny_models[1], "kill_at": -1},
-        run_config=restarts,
+        train_loop_config={"path": tiny_models[1], "kill_at": -1, "strategy": "fsdp2"},
+        run_config=RunConfig(
+            storage_path=f"file://{tmp_path}", name="colocated", failure_config=FailureConfig(max_failures=1)
+        ),
     )
-    with pytest.raises(RLRunError, match=r"the trainer failed") as ended:
-        rl.run(3, killing)
-    assert [k for k, _ in calls] == [0, 1, 1, 2], ended.value  # batch 1 again, by the new engine
+    result = rl.run(3, killing)
+    assert [k for k, _ in calls] == [0, 1, 1, 2]  # batch 1 again, by the new engine
     assert calls[0][1] == calls[1][1] != calls[2][1] == calls[3][1]  # its workers are the new attempt's
-    assert seen == [reference[w] for w in "ab"]  # batch 1 by the new engine: update 1, reloaded from the
-    # lost attempt's objects
+    assert result.batches == [reference[w] for w in "abb"]  # on-policy: update k (asleep) before batch k
+    assert result.versions == [1, 2, 3]  # update 1 reloaded (from the lost ranks' objects), not re-sent
+    out = result.train_result.return_value  # rank 0 of the attempt that finished
+    assert (out["attempt"], out["start"], out["seen"]) == (1, 1, result.batches[1:])
+    full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
+    assert all(t.freed > full for t in result.times)  # both ranks' weight shards + KV caches
+    assert [t.senders for t in result.times] == [2, 2, 2]
     _no_group_left(pg_leak_check)
 
     # disaggregated, atomic: one slice is held elsewhere, so the trainer's cannot be had in time
@@ -132,7 +102,12 @@ def test_colocated_run_and_failures(
         with pytest.raises(
             RLRunError, match=r"the trainer failed \(NoSliceError: .*no free slice within 3.0s"
         ):
-            run("no-second-slice", "disaggregated", lambda engine, k: _greedy(engine), disaggregated, 1)
+            RLRun(
+                RLConfig(disaggregated, ScalingConfig(**SCALING)),
+                _rl_loops.rl_loop,
+                train_loop_config={"path": tiny_models[1], "strategy": "fsdp2"},
+                run_config=RunConfig(storage_path=f"file://{tmp_path}", name="no-second-slice"),
+            ).run(1, lambda engine, k: _greedy(engine))
         assert not _alive("RolloutWorker")  # the rollout slice it held was released
     finally:
         remove_placement_group(other)
