@@ -132,8 +132,3 @@ class ColocatedRolloutEngine(RolloutEngine):
     @property
     def tensor_parallel_size(self) -> int:
         return len(self._hosts)
-
-    def hosts_alive(self) -> bool:
-        """Whether every trainer worker hosting a rank is still alive."""
-        group = self._engine.group
-        return isinstance(group, HostedGroup) and group.all_alive()

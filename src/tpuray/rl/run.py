@@ -116,6 +116,7 @@ class RLRun:
         self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
         self._attempt = 0  # the trainer attempt whose updates the engine loads
         self._engine_attempt = 0  # colocated: the trainer attempt whose workers host the engine
+        self._engine_hosts: list[Any] = []  # colocated: those workers' actor handles, in rank order
         self._last_update: Any = None  # the latest update the engine loaded: a new engine reloads it
         self._rollout_restarts = 0
 
@@ -297,7 +298,7 @@ class RLRun:
                 batch = rollout_fn(engine, k)
                 return batch, engine.sleep()
             except RolloutEngineError as e:
-                self._drop_lost_engine(e)
+                self._drop_lost_engine(e, hosts)
 
     def _hosted_engine(self, attempt: int, hosts: list[Any]) -> RolloutEngine:
         """Colocated: the engine in trainer attempt `attempt`'s workers `hosts`, awake."""
@@ -308,19 +309,18 @@ class RLRun:
         if self._engine is not None:
             self._engine.wake_up()
             return self._engine
-        self._engine, self._engine_attempt = ColocatedRolloutEngine(self.config.rollout, hosts), attempt
+        self._engine = ColocatedRolloutEngine(self.config.rollout, hosts)
+        self._engine_attempt, self._engine_hosts = attempt, hosts
         if self._last_update is not None:  # its objects are the mailbox's: they outlive a lost attempt
             self._engine.update_weights(self._last_update)
         return self._engine
 
-    def _drop_lost_engine(self, error: RolloutEngineError) -> None:
-        """Colocated: a failed engine whose workers died with a trainer worker is dropped when the trainer
-        restarts (FailureConfig); any other failure is raised."""
-        from tpuray.rl.colocate import ColocatedRolloutEngine
+    def _drop_lost_engine(self, error: RolloutEngineError, hosts: list[Any]) -> None:
+        """Colocated: an engine that failed because one of its workers `hosts` died with a trainer worker
+        is dropped when the trainer restarts (FailureConfig); any other failure is raised."""
+        from tpuray.rl.colocate import HostedGroup
 
-        engine = self._engine
-        assert isinstance(engine, ColocatedRolloutEngine)
-        if self.run_config.failure_config.max_failures == 0 or engine.hosts_alive():
+        if self.run_config.failure_config.max_failures == 0 or HostedGroup(hosts).all_alive():
             raise error
         logger.warning(
             "tpuray.rl: the colocated engine failed with a trainer worker (%s); the restarted trainer's "
@@ -367,8 +367,8 @@ class RLRun:
             return
         try:
             self._load(self._engine, sync, update)
-        except RolloutEngineError as e:
-            self._drop_lost_engine(e)  # the sender's attempt is lost too: no acknowledgement awaited
+        except RolloutEngineError as e:  # the sender's attempt is lost too: no acknowledgement awaited
+            self._drop_lost_engine(e, self._engine_hosts)
 
     def _note_attempt(self, update: Any) -> None:
         if update.attempt != self._attempt:
