@@ -145,10 +145,6 @@ class Mailbox:
                 return key, self.values.pop(key)
         raise TimeoutError(f"nothing arrived under {' or '.join(map(repr, keys))} within {timeout_s}s")
 
-    async def take(self, key: str, timeout_s: float) -> Any:
-        """The value under `key`, taken, once it arrives (within `timeout_s`)."""
-        return (await self.first([key], None, timeout_s))[1]
-
     async def take_ready(self, k: int) -> tuple[int, list[Any]]:
         """(attempt, each rank's actor handle) once every rank of the newest trainer attempt waits for
         batch `k` (colocated); that attempt's older ready entries go."""
