@@ -69,7 +69,10 @@ def test_preempted_replica_fails_over_with_no_failed_request(
                 clients = [asyncio.create_task(client(i, http)) for i in range(8)]
                 while len(outcomes) < 32:
                     await asyncio.sleep(0.1)
-                preemption = await asyncio.to_thread(emulated_cluster.preempt_slice, first_slice, 10)
+                # 20 s notice (GCE gives spot VMs 30 s): the requests on the old engine must finish before
+                # the deadline while the replacement's workers start on the same 2 cores; at the deadline
+                # they would fail (the next test)
+                preemption = await asyncio.to_thread(emulated_cluster.preempt_slice, first_slice, 20)
                 deadline = time.monotonic() + 300
                 while (await asyncio.to_thread(lambda: handle.describe.remote().result()))["failovers"] < 1:
                     assert time.monotonic() < deadline, "the replica never moved its engine"
@@ -90,3 +93,41 @@ def test_preempted_replica_fails_over_with_no_failed_request(
         serve.delete("spot")
         if preemption is not None:
             preemption.restore()  # the node pool brings the preempted slice back
+
+
+def test_request_running_at_the_preemption_deadline_fails_with_a_503_not_a_hang(tiny_model_dir) -> None:
+    """The engine of a preempted slice is shut down at the deadline; a request still on it ends with the
+    replica's 503 (engine_dead, naming the preemption) instead of waiting forever. In this process: the
+    slot's retirement of the old engine, with a deadline already past, while a stream runs on it."""
+    from tpuray.serve.llm import LLMConfig
+    from tpuray.serve.llm.openai_schema import OpenAIError
+    from tpuray.serve.llm.replica import LLMServer
+    from tpuray.slices.drain import PreemptionInfo
+
+    config = LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
+        llm_engine="embedded",
+        engine_kwargs={"max_model_len": 128, "max_num_seqs": 2},
+    )
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 100, "ignore_eos": True, "stream": True}
+
+    async def run() -> list:
+        server = await LLMServer.create(config)
+        try:
+            assert server.slot is not None
+            stream = server.handle_stream("completions", body)
+            chunks = [await anext(stream)]  # the request runs on the engine
+            past = PreemptionInfo(
+                deadline_ms=int(time.time() * 1000) - 1000, preempted_node_to_ranks={"n": [0]}
+            )
+            await server.slot._retire(server.slot._lease, past)  # the deadline came: the engine stops
+            chunks += [chunk async for chunk in stream]
+            return chunks
+        finally:
+            server.shutdown()
+
+    chunks = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    error = chunks[-1]
+    assert isinstance(error, OpenAIError), chunks[-3:]
+    assert error.status == 503 and "SlicePreemptedError" in str(error), error
+    assert len(chunks) < 100  # it ended early, not after its 100 tokens

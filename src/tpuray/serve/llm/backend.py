@@ -50,6 +50,11 @@ class Backend(Protocol):
         """What killed the engine (None while it lives): requests then get `engine_dead_error`."""
         ...
 
+    def end(self, error: BaseException) -> None:
+        """Fail the requests in flight with `error` (answered as `engine_dead_error`) before `shutdown`,
+        which alone may leave them waiting; on the replica's event loop."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -80,6 +85,9 @@ class EngineBackend:
         """The Ray nodes the engine's slice occupies (watched for preemption notices)."""
         return self.engine.slice_nodes()
 
+    def end(self, error: BaseException) -> None:
+        self.engine.end(error)
+
 
 def warm_up_error(
     config: LLMConfig, engine: str, error: BaseException, what: str = "generation (1 token)"
@@ -96,7 +104,7 @@ def engine_dead_error(model_id: str, cause: BaseException) -> OpenAIError:
     503, retry (Serve is replacing the replica)."""
     return OpenAIError(
         f"model `{model_id}` is unavailable: its engine died ({type(cause).__name__}: {cause}); Serve is "
-        "replacing its replica, retry shortly",
+        "replacing its replica (or it moved off a preempted slice), retry shortly",
         503,
         type="service_unavailable",
         code="engine_dead",

@@ -92,6 +92,9 @@ class EmbeddingBackend:
         """In the replica's process: no slice to lose."""
         return []
 
+    def end(self, error: BaseException) -> None:
+        """Never called: no slice, so no failover."""
+
     def shutdown(self) -> None:
         """Nothing to release (no workers, no slice)."""
 

@@ -8,7 +8,8 @@ preemption notice (a drain of one of its hosts, `tpuray.slices.drain`). On a not
    draining host), while the old engine finishes the requests it has;
 3. switches to the replacement once it is up, and shuts the old engine down (releasing its slice) when
    its last request ended or the deadline is DEADLINE_MARGIN_S away, whichever comes first.
-Requests still running on the old engine at the deadline fail with it (there is no live migration).
+Requests still running on the old engine at the deadline fail with it (there is no live migration): the
+engine ends them (`Backend.end`, a 503 `engine_dead_error` naming SlicePreemptedError) before it stops.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # how often a replica reads Ray's drain state
 
 RETRY_S = 5.0  # between attempts to start a replacement (no free slice yet)
+
+
+class SlicePreemptedError(RuntimeError):
+    """What ends the requests still on an engine when its slice's preemption deadline comes."""
 
 
 class _Lease:
@@ -163,10 +168,11 @@ class EngineSlot:
             await asyncio.wait_for(old.idle.wait(), timeout=timeout)
         except TimeoutError:
             logger.warning(
-                "model %s: %d request(s) still running on the preempted slice at its deadline",
+                "model %s: %d request(s) still running on the preempted slice at its deadline fail",
                 self.config.model_id,
                 old.inflight,
             )
+            old.backend.end(SlicePreemptedError(f"its TPU slice was preempted ({describe(info)})"))
         self._retiring.discard(old)
         await asyncio.to_thread(old.backend.shutdown)
 

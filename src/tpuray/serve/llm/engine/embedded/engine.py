@@ -8,7 +8,8 @@ position, joined by a `tpu_dist` process group) and drives one step at a time fr
 A worker that dies (its process killed, its host lost) kills the engine: the tensor-parallel group cannot
 step without it. The engine then fails every sequence it holds and every later `generate` at once with
 Ray's error of that death (`dead`; no step waits on the dead group), and `check_alive` raises it, so the
-serving replica fails its health check and Serve replaces it on a fresh slice reservation.
+serving replica fails its health check and Serve replaces it on a fresh slice reservation. `end(error)`
+does the same for an engine the replica gives up (its slice reached a preemption deadline).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class EmbeddedEngine(PromptEncoder):
         self._step_ids = itertools.count()  # the workers' handles of launched steps
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
-        self.dead: BaseException | None = None  # Ray's error of a worker's death (never cleared)
+        self.dead: BaseException | None = None  # a worker's death (Ray's error) or end()'s error; kept
         self.metrics = None
         if config.log_engine_metrics:
             from tpuray.serve.llm.metrics import EngineMetrics
@@ -271,11 +272,25 @@ class EmbeddedEngine(PromptEncoder):
                 "model %s: an engine worker died, the engine is dead: %s", self.config.model_id, error
             )
             self.dead = error
+        self._fail_all()
+        return True
+
+    def end(self, error: BaseException) -> None:
+        """Fail the sequences in flight, and every later request, with `error`, and stop the step loop
+        (on the engine's event loop, before `shutdown`: a shut-down loop leaves its sequences waiting).
+        The replica's failover ends an engine whose slice reached its preemption deadline this way."""
+        if self.dead is None:
+            self.dead = error
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            self._loop_task = None
+        self._fail_all()
+
+    def _fail_all(self) -> None:
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             sched.abort(seq)
             seq.queue.put_nowait(self.dead)
-        return True
 
     async def check_alive(self) -> None:
         """Raise Ray's error when a worker is dead (each worker answers a no-op call, queued behind the

@@ -51,7 +51,7 @@ class VLLMEngine:
         self.client: Any = None
         self.emulated = False
         self.nodes: list[str] = []  # the slice's hosts, as reserved
-        self.lost: BaseException | None = None  # a host of the slice died: the engine core was ended
+        self.lost: BaseException | None = None  # a host of the slice died (engine core ended), or end()
         self.engine_args, self.frontend_args = split_engine_kwargs(config)
         try:
             if config.topology is not None:
@@ -219,6 +219,17 @@ class VLLMEngine:
         if self.lost is not None:
             return self.lost
         return client.dead_error if client is not None and client.errored else None
+
+    def end(self, error: BaseException) -> None:
+        """Fail the requests in flight with vLLM's EngineDeadError and report `error` as the engine's from
+        then on (on the replica's event loop, before `shutdown`: a stopped client leaves its requests
+        waiting). The replica's failover ends an engine whose slice reached its preemption deadline."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.lost is None:
+            self.lost = error
+        if self.client is not None:
+            self.client.output_processor.propagate_error(EngineDeadError(str(error)))
 
     def shutdown(self) -> None:
         """Stop vLLM (engine core and its workers) and release the slice. Idempotent, and bounded: the
