@@ -53,7 +53,9 @@ def restart_loop(config: dict) -> dict:
     """An RLRun's trainer (DDP, or `strategy`) that checkpoints the next iteration after each update and resumes from
     `train.get_checkpoint()`. On the first attempt rank 1, once it sent update `kill_at + 1` and the
     checkpoint before it is committed, kills its own worker (`ray.kill`) instead of checkpointing: the
-    restarted attempt resumes at iteration `kill_at` and re-sends that update, which the engine holds."""
+    restarted attempt resumes at iteration `kill_at` and re-sends that update, which the engine holds.
+    With `lose_at` (and `marker`), rank 0 instead ends its process at iteration `lose_at` once its update
+    is in the mailbox, before the engine loaded it: the update is lost with it."""
     import json
     import os
     import tempfile
@@ -71,16 +73,24 @@ def restart_loop(config: dict) -> dict:
     if restored is not None:
         with restored.as_directory() as d, open(os.path.join(d, "rl.json")) as f:
             start = json.load(f)["next"]
+
+    def committed(k: int) -> None:  # bounded: the driver commits checkpoint k once both ranks reported it
+        for _ in range(600):
+            state = json.loads(read_text(join(ctx.get_trial_dir(), "run_state.json")) or "{}")
+            if state.get("latest_checkpoint") == k:
+                return
+            time.sleep(0.2)
+
     seen = []
     for k in range(start, rl.iterations):
         seen.append(rl.batch(k))
+        first = ctx.get_attempt() == 0
+        if first and ctx.get_world_rank() == 0 and k == config.get("lose_at"):
+            committed(k - 1)
+            _exit_once_sent(rl, k + 1, config["marker"])
         rl.send(model, version=k + 1)
-        if ctx.get_attempt() == 0 and ctx.get_world_rank() == 1 and k == config["kill_at"]:
-            for _ in range(600):  # bounded: the driver commits checkpoint k-1 once both ranks reported it
-                state = json.loads(read_text(join(ctx.get_trial_dir(), "run_state.json")) or "{}")
-                if state.get("latest_checkpoint") == k - 1:
-                    break
-                time.sleep(0.2)
+        if first and ctx.get_world_rank() == 1 and k == config.get("kill_at"):
+            committed(k - 1)
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
             time.sleep(600)  # killed meanwhile
         with tempfile.TemporaryDirectory() as d:
@@ -89,3 +99,24 @@ def restart_loop(config: dict) -> dict:
             ckpt = Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None
             train.report({"k": k}, checkpoint=ckpt)
     return {"attempt": ctx.get_attempt(), "start": start, "seen": seen}
+
+
+def _exit_once_sent(rl: Any, version: int, marker: str) -> None:
+    """In a thread: once the mailbox holds this rank's update `version` (its ObjectRefs, owned by this
+    process), write `marker` and end the process, so the update is lost before the engine loads it."""
+    import os
+    import threading
+
+    import ray
+
+    from tpuray.rl.mailbox import weight_key
+
+    key = weight_key(0, "weights", version, 0)
+
+    def watch() -> None:
+        ray.get(rl.mailbox.first.remote([key], key, 600))
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()

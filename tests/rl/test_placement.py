@@ -144,3 +144,50 @@ def test_trainer_worker_killed_restarts_from_its_checkpoint(
     assert (out["attempt"], out["start"]) == (1, 1)  # restarted, resumed from its checkpoint
     assert out["seen"] == result.batches[1:]  # batch 1 handed again, then batch 2
     _no_group_left(pg_leak_check)
+
+
+def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, caplog
+):
+    """Disaggregated over the object store with overlap and FailureConfig(max_failures=1): trainer rank
+    0 (DDP: it sends the whole state; its process owns the objects) dies once its update 2 is in the
+    mailbox, while the driver still generates batch 2, so the engine's load of update 2 finds the objects
+    lost (UpdateLostError). The engine keeps update 1 and is not replaced; the restarted trainer resumes
+    from checkpoint 0 at iteration 1 and sends update 2 again, which the engine loads (versions 1, 2, 3:
+    the lost update is not counted). Nothing is left."""
+    from tpuray.train import FailureConfig, RunConfig, ScalingConfig
+
+    marker = tmp_path / "rank0-exited"
+
+    def rollout(engine, k: int) -> list:
+        if k == 2:  # while the trainer sends update 2: wait until its sender is gone
+            for _ in range(1200):
+                if marker.exists():
+                    break
+                time.sleep(0.25)
+            assert marker.exists(), "trainer rank 0 did not end its process"
+        return _greedy(engine)
+
+    rl = RLRun(
+        RLConfig(
+            slice_rollout_config(tiny_models[0]),
+            ScalingConfig(**SCALING),
+            weight_sync="object_store",
+            overlap=True,
+        ),
+        _rl_loops.restart_loop,
+        train_loop_config={"path": tiny_models[1], "lose_at": 1, "marker": str(marker)},
+        run_config=RunConfig(
+            storage_path=f"file://{tmp_path}",
+            name="lost-update",
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    )
+    with caplog.at_level("WARNING", logger="tpuray.rl"):
+        result = rl.run(3, rollout)
+    assert "update 2 (trainer attempt 0) was lost with a trainer rank" in caplog.text
+    assert result.versions == [1, 2, 3] and result.rollout_restarts == 0  # update 2 once: the re-sent one
+    assert result.batches == [reference[w] for w in "aab"]  # overlap: batch k+1 with update k
+    out = result.train_result.return_value
+    assert (out["attempt"], out["start"]) == (1, 1)  # restarted, resumed from its checkpoint
+    _no_group_left(pg_leak_check)

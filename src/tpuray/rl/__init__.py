@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from tpuray.rl import vllm_rollout  # noqa: F401  (registers RolloutEngine's vLLM subclass)
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateStats
+from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateLostError, UpdateStats
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError
 from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
@@ -39,6 +39,7 @@ __all__ = [
     "SyncError",
     "SyncTarget",
     "TrainerUpdate",
+    "UpdateLostError",
     "UpdateStats",
     "WeightMismatchError",
     "WeightSync",

@@ -43,6 +43,11 @@ class RolloutEngineError(RuntimeError):
     any more; `shutdown()` it (which releases the slice) and start a new one."""
 
 
+class UpdateLostError(RuntimeError):
+    """An update's objects were lost before every rollout worker had them (their owner, e.g. the trainer
+    rank that put them, died): nothing was loaded, the engine keeps its weights and can go on."""
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One generated sequence: the prompt's and the completion's token ids, the log-probability of each
@@ -292,6 +297,11 @@ class RolloutEngine:
             cause = getattr(e, "cause", None)
             if isinstance(cause, WeightMismatchError):
                 raise WeightMismatchError(str(cause)) from None
+            if isinstance(cause, ray.exceptions.ObjectLostError):
+                raise UpdateLostError(
+                    f"the update's objects were lost before every rollout worker had them; the engine keeps "
+                    f"its weights (version {self.version}): {type(cause).__name__}: {cause}"
+                ) from None
             raise
         return sum(ray.get(group.call("commit_weights")))
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuray.rl.engine import RolloutEngine, RolloutEngineError
+from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.sync import WeightSync
 from tpuray.validation import ConfigError
@@ -343,21 +343,43 @@ class RLRun:
             t0 = time.perf_counter()
             update = sync.receive(self._alive)
             t1 = time.perf_counter()
-            self._take_update(sync, update)
+            taken = self._take_update(sync, update)
             wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
-            if update.version >= version:
+            if taken and update.version >= version:
                 return update, wait_s, sync_s
 
-    def _take_update(self, sync: WeightSync, update: Any) -> None:
-        """Load `update` into the engine (the last one the rollout side holds). Colocated without an
-        engine (lost with a trainer attempt): kept for the next engine, and acknowledged."""
+    def _take_update(self, sync: WeightSync, update: Any) -> bool:
+        """Load `update` into the engine (the last one the rollout side holds); False when it was lost
+        with its sender. Colocated without an engine (lost with a trainer attempt): kept for the next
+        engine, and acknowledged."""
         self._note_attempt(update)
         if self.config.placement == "disaggregated":
-            self._on_engine(sync, functools.partial(self._update, sync=sync, update=update))
+            try:
+                self._on_engine(sync, functools.partial(self._update, sync=sync, update=update))
+            except UpdateLostError as e:
+                self._lost(update, e)
+                return False
         else:
             self._load_hosted(sync, update)
         self._last_update = update
         self._versions.append(update.version)
+        return True
+
+    def _lost(self, update: Any, error: UpdateLostError) -> None:
+        """Disaggregated over the object store: a trainer rank died after it sent `update` and before the
+        engine had it. With trainer restarts the restarted attempt sends it again; else the run ends."""
+        if self.run_config.failure_config.max_failures == 0:
+            raise RLRunError(
+                f"the RL run ended: update {update.version} was lost with a trainer rank before the engine "
+                f"loaded it ({error}); with RunConfig(failure_config=FailureConfig(max_failures=N)) the "
+                "restarted trainer sends it again"
+            ) from error
+        logger.warning(
+            "tpuray.rl: update %d (trainer attempt %d) was lost with a trainer rank before the engine "
+            "loaded it; the engine keeps its weights until the restarted trainer sends it again",
+            update.version,
+            update.attempt,
+        )
 
     def _load_hosted(self, sync: WeightSync, update: Any) -> None:
         if self._engine is not None and self._engine_attempt != update.attempt:

@@ -429,7 +429,7 @@ class WeightSync:
         self,
         k: int,
         alive: Callable[[], None] = lambda: None,
-        on_update: Callable[[TrainerUpdate], None] = lambda update: None,
+        on_update: Callable[[TrainerUpdate], object] = lambda update: None,
     ) -> tuple[int, list[Any]]:
         """Colocated: wait until every rank of the newest trainer attempt waits for batch `k`: (that
         attempt, the ranks' actor handles in rank order). Updates arriving meanwhile (a restarted
