@@ -3,6 +3,8 @@ v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights,
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from _rl_util import GREEDY, PROMPTS
@@ -14,6 +16,7 @@ from tpuray.rl import (
     RolloutEngine,
     RolloutEngineError,
     ShardedUpdate,
+    UpdateLostError,
     WeightMismatchError,
     put_shards,
 )
@@ -95,7 +98,8 @@ def test_update_weights_in_process(tiny_models, reference):
 
 def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, tiny_models, reference):
     """TP=2 on a v6e 2x2 slice (two workers of two chips): each rank takes its own shard of an update
-    sent through the object store; a mismatch is refused by the workers with the old weights kept."""
+    sent through the object store; a mismatch is refused by the workers, and an update whose objects were
+    lost with their owner raises UpdateLostError, with the old weights kept."""
     import ray
 
     cfg = RolloutConfig(
@@ -141,6 +145,25 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
             match=r"shard 'layers.1.gate_up' has shape \(255, 128\); expected \(256, 128\)",
         ):
             engine.update_weights(ShardedUpdate((sharded.refs[0], ray.put(bad)), sharded.nbytes))
+        assert _greedy(engine) == reference["a"]
+
+        # rank 1's part owned by a process that is gone: nothing is loaded, the engine goes on
+        @ray.remote(num_cpus=0)
+        class Owner:
+            def put(self, value):
+                return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
+
+        owner = Owner.remote()
+        (orphan,) = ray.get(owner.put.remote(ray.get(sharded.refs[1])))
+        ray.kill(owner, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):  # gone (ray.kill does not wait)
+            for _ in range(300):
+                ray.get(owner.__ray_ready__.remote(), timeout=30)
+                time.sleep(0.1)
+        with pytest.raises(
+            UpdateLostError, match=r"lost before every rollout worker had them; the engine keeps its weights"
+        ):
+            engine.update_weights(ShardedUpdate((sharded.refs[0], orphan), sharded.nbytes))
         assert _greedy(engine) == reference["a"]
         engine.update_weights(sharded)
         assert _greedy(engine) == reference["b"]
