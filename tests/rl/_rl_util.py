@@ -33,3 +33,18 @@ def slice_rollout_config(path: str, **kw: Any) -> Any:
     return RolloutConfig(
         path, accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64, **kw
     )
+
+
+def kill(actor: Any) -> None:
+    """Kill an actor and wait until it is gone (ray.kill does not wait): its next call fails."""
+    import time
+
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    try:
+        while True:
+            ray.get(actor.__ray_call__.remote(lambda self: None), timeout=30)
+            time.sleep(0.1)
+    except ray.exceptions.RayActorError:
+        pass

@@ -19,6 +19,7 @@ ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
 from _rl_util import SCALING, slice_rollout_config  # noqa: E402
 from _rl_util import greedy as _greedy  # noqa: E402
+from _rl_util import kill as _kill  # noqa: E402
 from _rl_util import state_dict as _state_dict  # noqa: E402
 
 from _util import alive_actors as _alive  # noqa: E402
@@ -27,17 +28,6 @@ from _util import alive_actors as _alive  # noqa: E402
 def _no_group_left(pg_leak_check) -> None:
     assert not _alive("TrainWorker") and not _alive("RolloutWorker")
     pg_leak_check()  # ray.util.placement_group_table(): no live group beyond those before the test
-
-
-def _kill(actor) -> None:
-    """Kill a trainer worker and wait until it is gone (so that the engine's next call fails)."""
-    ray.kill(actor, no_restart=True)
-    try:
-        while True:
-            ray.get(actor.__ray_call__.remote(lambda self: None), timeout=30)
-            time.sleep(0.1)
-    except ray.exceptions.RayActorError:
-        pass
 
 
 def test_colocated_run_and_failures(
@@ -70,7 +60,7 @@ def test_colocated_run_and_failures(
             state = join(f"file://{tmp_path}", "colocated", "run_state.json")
             while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
                 time.sleep(0.2)
-            _kill(engine.group.actors[1])
+            _kill(engine.group.actors[1])  # a trainer worker: the engine's next call fails
         return _greedy(engine)
 
     rl = RLRun(

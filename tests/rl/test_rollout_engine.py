@@ -3,12 +3,11 @@ v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights,
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from _rl_util import GREEDY, PROMPTS
 from _rl_util import greedy as _greedy
+from _rl_util import kill as _kill
 from _rl_util import state_dict as _state_dict
 
 from tpuray.rl import (
@@ -155,11 +154,7 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
 
         owner = Owner.remote()
         (orphan,) = ray.get(owner.put.remote(ray.get(sharded.refs[1])))
-        ray.kill(owner, no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):  # gone (ray.kill does not wait)
-            for _ in range(300):
-                ray.get(owner.__ray_ready__.remote(), timeout=30)
-                time.sleep(0.1)
+        _kill(owner)
         with pytest.raises(
             UpdateLostError, match=r"lost before every rollout worker had them; the engine keeps its weights"
         ):

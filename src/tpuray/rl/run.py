@@ -315,12 +315,17 @@ class RLRun:
             self._engine.update_weights(self._last_update)
         return self._engine
 
+    @property
+    def _trainer_restarts(self) -> bool:
+        """Whether the trainer may restart after a lost worker (FailureConfig(max_failures) != 0)."""
+        return self.run_config.failure_config.max_failures != 0
+
     def _drop_lost_engine(self, error: RolloutEngineError, hosts: list[Any]) -> None:
         """Colocated: an engine that failed because one of its workers `hosts` died with a trainer worker
         is dropped when the trainer restarts (FailureConfig); any other failure is raised."""
         from tpuray.rl.colocate import HostedGroup
 
-        if self.run_config.failure_config.max_failures == 0 or HostedGroup(hosts).all_alive():
+        if not self._trainer_restarts or HostedGroup(hosts).all_alive():
             raise error
         logger.warning(
             "tpuray.rl: the colocated engine failed with a trainer worker (%s); the restarted trainer's "
@@ -368,7 +373,7 @@ class RLRun:
     def _lost(self, update: Any, error: UpdateLostError) -> None:
         """Disaggregated over the object store: a trainer rank died after it sent `update` and before the
         engine had it. With trainer restarts the restarted attempt sends it again; else the run ends."""
-        if self.run_config.failure_config.max_failures == 0:
+        if not self._trainer_restarts:
             raise RLRunError(
                 f"the RL run ended: update {update.version} was lost with a trainer rank before the engine "
                 f"loaded it ({error}); with RunConfig(failure_config=FailureConfig(max_failures=N)) the "
