@@ -13,7 +13,7 @@ UV_PIP := $(UV) pip install -q --python $(BIN)/python --compile-bytecode --index
 	$(foreach u,$(call pip_cfg,find-links),--find-links $(u)) \
 	$(foreach u,$(call pip_cfg,extra-index-url),--extra-index-url $(u))
 
-.PHONY: setup demo test test-fast test-tpu lint typecheck bench clean
+.PHONY: setup demo test test-all test-fast test-tpu lint typecheck bench clean
 
 setup: $(VENV)/.installed
 
@@ -31,17 +31,23 @@ demo: setup
 # worker, every other module on whichever is free (tests/conftest.py: HEAVY_MODULES,
 # pytest_xdist_make_scheduler). mypy runs beside them.
 PYTEST := $(BIN)/pytest -q -n 2
+# The test tiers (README.md, "Tests"): `make test` (CI) leaves out the scenarios marked `full`, whose
+# capability another test covers, to stay within 15 minutes on 2 cores; `make test-all` runs everything.
+TIER ?= not full
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	@$(BIN)/mypy src > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(PYTEST); tests=$$?; \
+	$(PYTEST) -m "$(TIER)"; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy src:"; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$typed -eq 0
 
-test-fast: setup   # skips the multi-host and long-running tests (marked slow)
-	$(PYTEST) -m "not slow"
+test-all:   # every tier: what CI runs plus the `full` scenarios (about twice as long)
+	$(MAKE) test TIER="full or not full"
+
+test-fast: setup   # skips the multi-host and long-running tests (marked slow) and the full tier
+	$(PYTEST) -m "not slow and not full"
 
 # On a TPU VM (no Ray, one process may hold the chip): the real-TPU suite in ONE process. Set-up:
 # ../shared/tpu-vm/README.md, then `. benchmarks/tpu_vm_env.sh`. Elsewhere every test skips with a reason.

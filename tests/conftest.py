@@ -37,21 +37,14 @@ import pytest
 
 from _util import live_placement_groups, new_placement_groups
 from tpuray.emulator import EmulatedCluster, SliceRequest
+from tpuray.emulator.hosts import QUIET_RAY_ENV
 
 # Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# An idle emulated cluster (head + two hosts) burned 3.5 s of CPU per 30 s here, 2.1 s with these (Ray's
-# dashboard agents report node stats every 5 s and metrics every 10 s; each raylet prestarts workers for
-# the first driver): the suite runs two clusters on two cores for its whole length, and no test reads
-# Ray's node stats or metrics. Every Ray process the suite starts inherits them.
-for _name, _value in {
-    "REPORTER_UPDATE_INTERVAL_MS": "60000",
-    "METRICS_RECORD_INTERVAL_S": "60",
-    "RAY_metrics_report_interval_ms": "60000",
-    "RAY_enable_worker_prestart": "0",
-    "RAY_prestart_worker_first_driver": "0",
-}.items():
+# The suite runs two emulated clusters on two cores for its whole length and no test reads Ray's node
+# stats or metrics: every Ray process it starts inherits Ray's quiet settings (bench_idle_cluster.py).
+for _name, _value in QUIET_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
 
 # `make test` runs the suite on two pytest-xdist workers, each with its own emulated cluster
@@ -191,3 +184,17 @@ def pg_leak_check() -> Iterator[Callable[[], None]]:
 
     yield check
     check()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Say which tier ran: CI's `make test` leaves the `full` scenarios out (pyproject.toml's markers)."""
+    tier = config.option.markexpr
+    if "full" in tier:
+        terminalreporter.write_line(
+            f"test tier: -m {tier!r}"
+            + (
+                ""
+                if tier == "full or not full"
+                else " (the scenarios marked `full` are left out: make test-all)"
+            )
+        )

@@ -204,6 +204,9 @@ def _ray_train_probe(config: dict) -> None:
         json.dump({"slice": os.environ.get("TPU_NAME"), "world": dist.get_world_size()}, f)
 
 
+@pytest.mark.full(
+    "CI: pending reservations bring whole slices and idle ones go (test_pending_reservations_...), the seeded random schedule"
+)
 def test_ray_train_and_a_serving_replica_each_bring_one_slice(autoscaling: EmulatedCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Ray's single-host SlicePlacementGroup, Ray Train's TorchTrainer(use_tpu=True) and a serving replica on
     a slice, each on a cluster with no TPU host: each brings up slices of its shape only and runs on one;

@@ -45,6 +45,9 @@ def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):
     assert png.stat().st_size > 0
 
 
+@pytest.mark.full(
+    "CI: the example's loop in process (test_grpo_in_process_raises_the_mean_reward), RLRun on slices (rl/test_sync.py, rl/test_placement.py)"
+)
 def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, capsys):
     history = grpo.run(grpo.parse_args(["--iterations", "3", "--group", "4", "--slice", "--colocate"]))
     assert len(history) == 3 and all(it.sync_bytes > 0 and it.generate_s > 0 for it in history)

@@ -136,6 +136,9 @@ def test_trainer_worker_killed_restarts_from_its_checkpoint(
     _no_group_left(pg_leak_check)
 
 
+@pytest.mark.full(
+    "CI: a lost update's UpdateLostError on the slice engine (rl/test_rollout_engine.py), a trainer restart in an RLRun (test_trainer_worker_killed_restarts_from_its_checkpoint)"
+)
 def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, caplog
 ):

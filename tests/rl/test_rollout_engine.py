@@ -100,6 +100,7 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
     sent through the object store; a mismatch is refused by the workers, and an update whose objects were
     lost with their owner raises UpdateLostError, with the old weights kept."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cfg = RolloutConfig(
         tiny_models[0],
@@ -152,7 +153,10 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
             def put(self, value):
                 return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
 
-        owner = Owner.remote()
+        # on the driver's (CPU) node: a rollout worker on the owner's node could still read the object from
+        # its node's store until that raylet frees it, asynchronously after the owner's death
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        owner = Owner.options(scheduling_strategy=here).remote()
         (orphan,) = ray.get(owner.put.remote(ray.get(sharded.refs[1])))
         _kill(owner)
         with pytest.raises(

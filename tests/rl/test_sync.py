@@ -115,61 +115,67 @@ def test_rl_config_refuses_bad_values(tiny_models):
         RLRun(config, _rl_loops.rl_loop, run_config=restarts)
 
 
+def _run(
+    tiny_models,
+    tmp_path,
+    name: str,
+    overlap: bool,
+    iterations: int,
+    rollout_fn,
+    sync="object_store",
+    restarts=0,
+    **loop_config,
+):
+    from tpuray.train import RunConfig, ScalingConfig
+
+    rl = RLRun(
+        RLConfig(
+            slice_rollout_config(tiny_models[0]),
+            ScalingConfig(**SCALING),
+            overlap=overlap,
+            weight_sync=sync,
+            rollout_max_failures=restarts,
+        ),
+        _rl_loops.rl_loop,
+        train_loop_config={"path": tiny_models[1], **loop_config},
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
+    )
+    return rl.run(iterations, rollout_fn)
+
+
+def _killing(at: set[int], seen: list | None = None, after_s: float = 0.0):
+    """A rollout_fn whose engine loses a worker the first time it generates batch k in `at` (after
+    `after_s`: with overlap, the trainer's ranks are then most likely mid-transfer into it)."""
+
+    def rollout(engine: RolloutEngine, k: int) -> list:
+        if k in at:
+            at.discard(k)
+            time.sleep(after_s)
+            ray.kill(engine.group.actors[1], no_restart=True)
+        out = _greedy(engine)
+        if seen is not None:
+            seen.append(out)
+        return out
+
+    return rollout
+
+
 def test_rl_run_syncs_from_a_tpuray_train_run(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
     on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
     rollout rank, and the engine generates the sent model's tokens one batch later, while rollout workers
-    die at batches 1 and 2 (RLConfig.rollout_max_failures=2: new engines, the updates sent again). DDP
-    sequential over the object store: rank 0 sends all, a rollout worker killed at batch 1 is replaced
-    (a new engine, the last update reloaded), the tokens change from the next batch on, and a second
-    loss is past rollout_max_failures=1. DDP sequential over tpu_dist: a restart, then an update missing
-    a tensor refused after the transfer, before anything is staged. A failure or refusal ends the run
-    with RLRunError (the trainer's own failure: test_placement.py); no worker or placement group is
-    left."""
-    import ray
-
-    from tpuray.train import RunConfig, ScalingConfig
-
-    def run(
-        name: str, overlap: bool, iterations: int, rollout_fn, sync="object_store", restarts=0, **loop_config
-    ):
-        rl = RLRun(
-            RLConfig(
-                slice_rollout_config(tiny_models[0]),
-                ScalingConfig(**SCALING),
-                overlap=overlap,
-                weight_sync=sync,
-                rollout_max_failures=restarts,
-            ),
-            _rl_loops.rl_loop,
-            train_loop_config={"path": tiny_models[1], **loop_config},
-            run_config=RunConfig(storage_path=f"file://{tmp_path}", name=name),
-        )
-        return rl.run(iterations, rollout_fn)
+    die at batches 1 and 2 (RLConfig.rollout_max_failures=2: new engines, the updates sent again). A run
+    needing more slices than exist is refused before anything is reserved; no worker or placement group
+    is left."""
+    from tpuray.train import ScalingConfig
 
     two_slices = ScalingConfig(**{**SCALING, "num_workers": 4})  # + the engine's: 3 slices, 2 exist
     with pytest.raises(
         RLRunError, match=r"needs 3 x v6e-4 slice\(s\) at once .* has 2; nothing was reserved"
     ):
         RLRun(RLConfig(slice_rollout_config(tiny_models[0]), two_slices), _rl_loops.rl_loop).run(1, _greedy)
-
-    def killing(at: set[int], seen: list | None = None, after_s: float = 0.0):
-        """A rollout_fn whose engine loses a worker the first time it generates batch k in `at` (after
-        `after_s`: with overlap, the trainer's ranks are then most likely mid-transfer into it)."""
-
-        def rollout(engine: RolloutEngine, k: int) -> list:
-            if k in at:
-                at.discard(k)
-                time.sleep(after_s)
-                ray.kill(engine.group.actors[1], no_restart=True)
-            out = _greedy(engine)
-            if seen is not None:
-                seen.append(out)
-            return out
-
-        return rollout
 
     # FSDP2 with overlap over tpu_dist; the engines generating batches 1 and 2 (while the ranks offer
     # updates 1 and 2) each lose a worker. Batch 1: the group with the engine has not formed yet (it forms
@@ -178,14 +184,39 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     # are in it), they send update 2 again into the next engine, which takes it and generates batch 2
     # again (the tokens are the same with updates 1 and 2)
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
-    result = run("fsdp2", True, 3, killing({1, 2}, after_s=2.0), "tpu_dist", restarts=2, strategy="fsdp2")
+    result = _run(
+        tiny_models,
+        tmp_path,
+        "fsdp2",
+        True,
+        3,
+        _killing({1, 2}, after_s=2.0),
+        "tpu_dist",
+        restarts=2,
+        strategy="fsdp2",
+    )
     assert result.batches == [reference[w] for w in "aab"]  # batch 1 was generated during step 0
     assert result.train_result.return_value == result.batches  # every batch reached rank 0
     assert result.rollout_restarts == 2 and result.versions == [1, 2, 3]
     assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
     assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated x2
     assert result.times[0].sync > 0 and result.times[2].sync > 0  # (update 2: in the restart, likely)
+    assert not alive_actors("TrainWorker")
+    pg_leak_check()
 
+
+@pytest.mark.full(
+    "CI: the FSDP2 run over tpu_dist with two engine replacements (test_rl_run_syncs_from_a_tpuray_train_run), a refused update (rl/test_rollout_engine.py)"
+)
+def test_ddp_runs_reload_or_resend_after_an_engine_loss_and_end_past_the_limit(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+):
+    """DDP sequential over the object store: rank 0 sends all, a rollout worker killed at batch 1 is
+    replaced (a new engine, the last update reloaded), the tokens change from the next batch on, and a
+    second loss is past rollout_max_failures=1. DDP sequential over tpu_dist: a restart, then an update
+    missing a tensor refused after the transfer, before anything is staged. A failure or refusal ends the
+    run with RLRunError (the trainer's own failure: test_placement.py); no worker or placement group is
+    left."""
     drop = "model.layers.1.mlp.down_proj.weight"
     seen: list = []
     # DDP over the object store: rank 0 sends all, the tokens change from the next batch on (batch 1 from a
@@ -194,7 +225,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     with pytest.raises(
         RLRunError, match=r"the rollout side \(engine or rollout_fn\) failed \(RolloutEngineError"
     ):
-        run("ddp", False, 3, killing({1, 2}, seen), restarts=1, strategy="ddp")
+        _run(tiny_models, tmp_path, "ddp", False, 3, _killing({1, 2}, seen), restarts=1, strategy="ddp")
     assert seen == [reference[w] for w in "ab"]  # batch 1 from the new engine, update 1 reloaded
     assert not alive_actors("TrainWorker")
     pg_leak_check()
@@ -205,11 +236,13 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     # (the engine keeps update 1) and the run ends
     seen.clear()
     with pytest.raises(RLRunError, match=rf"update 2 was refused: .*'{drop}' .* is missing"):
-        run(
+        _run(
+            tiny_models,
+            tmp_path,
             "tpu-dist-ddp",
             False,
             3,
-            killing({1}, seen),
+            _killing({1}, seen),
             "tpu_dist",
             restarts=1,
             strategy="ddp",

@@ -183,6 +183,9 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.full(
+    "CI: the RL run on slices with the embedded engine (rl/test_sync.py), vLLM serving on a slice (serve/test_vllm.py), vLLM's weight layout (rl/test_vllm_parts.py)"
+)
 def test_vllm_rollouts_on_a_slice_in_an_rl_run(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
     """vLLM (TP=4, one worker per chip) on one emulated v6e 2x2 slice as an RLRun's rollout engine, a
     tpuray.train FSDP2 trainer on the other, weight_sync="object_store". Batch 0 folds the engine's own

@@ -64,10 +64,10 @@ def main(port: int, model_dir: str) -> None:
         try:
             direct = answering(range(30000, 30100))  # direct ingress: Ray's replica ports start at 30000
             check(direct)
-            print("direct ingress OK:", direct)
+            print(f"direct ingress OK: {direct}", flush=True)  # one write: Ray's log lines go between writes
             proxy = answering([port])  # the proxy, talking to the replica over gRPC
             check(proxy)
-            print("proxy over gRPC OK:", proxy)
+            print(f"proxy over gRPC OK: {proxy}", flush=True)
         finally:
             serve.shutdown()
     print("OK")

@@ -13,9 +13,10 @@ import pytest
 from _util import live_placement_groups, new_placement_groups
 from tpuray.serve.llm.engine.vllm import vllm_available
 
-pytestmark = pytest.mark.skipif(
-    not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"
-)
+pytestmark = [
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"),
+    pytest.mark.full("CI: tpuray's own OpenAI app on vLLM over an emulated slice (serve/test_vllm.py)"),
+]
 
 
 def test_ray_serve_llm_serves_on_the_emulated_slice(serve_url, tmp_path) -> None:

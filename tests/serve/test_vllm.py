@@ -427,6 +427,9 @@ def test_fuzz_from_the_openapi_document_on_vllm(app):
     fuzz_app(app[0], document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
+@pytest.mark.full(
+    "CI: a dead engine worker or host gets 503s, then a new replica (serve/test_engine_death.py, the embedded engine)"
+)
 def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
     get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it;

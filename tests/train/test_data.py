@@ -180,6 +180,9 @@ def test_the_worker_session_holds_the_shards(monkeypatch) -> None:
         train.get_dataset_shard()
 
 
+@pytest.mark.full(
+    "CI: Ray Data shards on 2x2 (test_split_every_row_once_per_epoch_on_2x2_...), multi-host slices (slices/test_layouts.py, train/test_preemption_recovery.py)"
+)
 @pytest.mark.slow
 def test_seed_sample_and_split_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
     """The one tpuray.train test on a multi-host slice (16 workers on 4 emulated hosts; each 16-worker fit

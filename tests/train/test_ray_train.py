@@ -101,6 +101,9 @@ def test_emulated_torch_tpu_is_on_emulated_hosts_only(emulated_cluster) -> None:
     )
 
 
+@pytest.mark.full(
+    "CI: Ray's TPU path on emulated hosts (test_emulated_torch_tpu_is_on_emulated_hosts_only), the 4x4 slice's hosts (slices/test_layouts.py), tpuray.train on 2x2 (train/test_data.py, train/test_callbacks.py)"
+)
 @pytest.mark.slow
 def test_ray_train_seed_verbatim_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
     """The seed's 4x4 sample through Ray Train: every rank on the emulated `tpu` device with tpu_dist, its
