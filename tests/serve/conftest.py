@@ -43,13 +43,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def serve_url(emulated_cluster) -> Iterator[str]:
+def serve_url(emulated_cluster, cluster_manager) -> Iterator[str]:
     from ray import serve
 
-    if _SERVE.get("address") != emulated_cluster.address:  # first use, or the cluster was restarted
+    # the default layout, running: module fixtures are set up before the function-scoped guard that
+    # restarts it after a module on this worker swapped layouts (tests/conftest.py)
+    cluster = cluster_manager.get()
+    if _SERVE.get("address") != cluster.address:  # first use, or the cluster was restarted
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        _SERVE.update(address=emulated_cluster.address, url=f"http://127.0.0.1:{port}")
+        _SERVE.update(address=cluster.address, url=f"http://127.0.0.1:{port}")
     yield _SERVE["url"]
     leftover = list(serve.status().applications)
     for name in leftover:  # the next module must find Serve empty, whatever happened here

@@ -1,7 +1,8 @@
 """Real vLLM (the CPU build) behind tpuray's OpenAI app on the emulated cluster, driven by the real
-`openai` client: one app with two models, the same weights on vLLM TP=4 over a v6e 2x2 slice (one vLLM
-worker per emulated chip, through vLLM's Ray executor) and on vLLM TP=1 on the CPU. Transformers is the
-reference. Skipped where vLLM is not installed (`make test` installs it)."""
+`openai` client: the app serves vLLM TP=4 over a v6e 2x2 slice (one vLLM worker per emulated chip, through
+vLLM's Ray executor); the `full` test tier adds a second app with the same weights on vLLM TP=1 on the CPU
+(its engine core killed under load, the OpenAPI fuzz). Transformers is the reference. Skipped where vLLM is
+not installed (`make test` installs it)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.skipif(
 
 API_KEY = "vllm-key"
 TP4, TP1 = "tiny-tp4", "tiny-tp1"
+CPU_APP = "tpuray-vllm-cpu"
+FULL = "CI: vLLM TP=4 on the slice, the same tests (this module), the fuzz and a dead engine's 503s on the embedded engine (serve/test_http_fuzz.py, serve/test_engine_death.py)"
 PROMPTS = ["Hello world", "Tensor parallelism splits attention heads"]
 ENGINE_KWARGS = {
     "max_model_len": 256,
@@ -58,10 +61,10 @@ def hf(vllm_model_dir):
     )
 
 
-def configs(model_dir: str):
+def tp4_config(model_dir: str):
     from tpuray.serve.llm import LLMConfig
 
-    tp4 = LLMConfig(
+    return LLMConfig(
         model_loading_config={"model_id": TP4, "model_source": model_dir},
         llm_engine="vLLM",
         accelerator_type="TPU-V6E",
@@ -69,14 +72,18 @@ def configs(model_dir: str):
         placement_group_config={"bundle_per_worker": {"TPU": 1}},
         engine_kwargs={"tensor_parallel_size": 4, **ENGINE_KWARGS},
     )
-    tp1 = LLMConfig(
+
+
+def tp1_config(model_dir: str):
+    from tpuray.serve.llm import LLMConfig
+
+    return LLMConfig(
         model_loading_config={"model_id": TP1, "model_source": model_dir},
         llm_engine="vLLM",
         engine_kwargs=ENGINE_KWARGS,
         # Serve replaces a replica after 3 failed checks in a row (test_a_dead_engine_core_...)
         deployment_config={"health_check_period_s": 2},
     )
-    return [tp4, tp1]
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +94,26 @@ def app(serve_url, vllm_model_dir):
 
     before = set(live_placement_groups())
     try:
-        args = LLMServingArgs(llm_configs=configs(vllm_model_dir), api_key=API_KEY)
+        args = LLMServingArgs(llm_configs=[tp4_config(vllm_model_dir)], api_key=API_KEY)
         serve.run(build_openai_app(args), name="tpuray-vllm", route_prefix="/")
         yield serve_url, before
     finally:
         serve.delete("tpuray-vllm")
+
+
+@pytest.fixture(scope="module")
+def cpu_app(app, vllm_model_dir):
+    """The `full` tier's second app: the same weights on vLLM TP=1 on the CPU (no slice), at /cpu."""
+    from ray import serve
+
+    from tpuray.serve.llm import LLMServingArgs, build_openai_app
+
+    try:
+        args = LLMServingArgs(llm_configs=[tp1_config(vllm_model_dir)], api_key=API_KEY)
+        serve.run(build_openai_app(args), name=CPU_APP, route_prefix="/cpu")
+        yield app[0] + "/cpu"
+    finally:
+        serve.delete(CPU_APP)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +145,17 @@ def test_vllm_runs_on_the_emulated_slice(app):
     assert info["tensor_parallel_size"] == 4 and "v6e-4" in info["slice"]
     assert len(info["bundle_nodes"]) == 4 and len(set(info["bundle_nodes"])) == 1  # one host, 4 chips
     assert "EMULATED TPU chips" in info["where"]
-    cpu = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name="tpuray-vllm").describe.remote().result()
+
+
+@pytest.mark.full(FULL)
+def test_vllm_on_the_cpu_is_not_emulated(cpu_app):
+    """The TP=1 replica (vLLM on the CPU, no slice): no slice in describe(), and its own log (its worker's
+    stderr) does not say the chips are emulated."""
+    from ray import serve
+
+    cpu = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name=CPU_APP).describe.remote().result()
     assert cpu["slice"] is None and cpu["tensor_parallel_size"] == 1
+    assert not _replica_log_lines(CPU_APP, TP1)
 
 
 def _alive_actors() -> list:
@@ -152,21 +183,21 @@ def test_vllm_workers_hold_the_slices_chips(app):
         assert w.address.node_id.hex() in info["bundle_nodes"]
 
 
-def test_the_replica_log_says_the_slice_is_emulated(app):
-    """The TP=4 replica's own log (its worker's stderr, where a warning lands) says so; the TP=1 replica's
-    (vLLM on the CPU, no slice) does not."""
+def _replica_log_lines(app_name: str, model: str) -> list[str]:
+    """The lines of a replica's own log (its worker's stderr, where a warning lands) that say the chips
+    are emulated."""
     import ray
 
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-    actors = _alive_actors()
-    for model, emulated in ((TP4, True), (TP1, False)):
-        (replica,) = [r for r in actors if r.class_name == f"ServeReplica:tpuray-vllm:LLMServer:{model}"]
-        (log,) = logs.glob(f"worker-{replica.address.worker_id.hex()}-*-{replica.pid}.err")
-        text = log.read_text(errors="replace")
-        said = [line for line in text.splitlines() if "EMULATED TPU chips" in line]
-        assert bool(said) == emulated, f"{model}: {log} says {said}"
-        if emulated:
-            assert said[0].startswith(f"{TP4}: vLLM engine up: "), said
+    name = f"ServeReplica:{app_name}:LLMServer:{model}"
+    (replica,) = [r for r in _alive_actors() if r.class_name == name]
+    (log,) = logs.glob(f"worker-{replica.address.worker_id.hex()}-*-{replica.pid}.err")
+    return [line for line in log.read_text(errors="replace").splitlines() if "EMULATED TPU chips" in line]
+
+
+def test_the_replica_log_says_the_slice_is_emulated(app):
+    said = _replica_log_lines("tpuray-vllm", TP4)
+    assert said and said[0].startswith(f"{TP4}: vLLM engine up: "), said
 
 
 def test_openai_sampling_fields_pass_through_to_vllm(client, hf):
@@ -244,9 +275,9 @@ BAD_VLLM_REQUESTS = [  # (endpoint, fields, the param the 400 must name)
 def test_bad_requests_to_vllm_are_400s_naming_the_param(app, endpoint, fields, param):
     base, headers = app[0], {"Authorization": f"Bearer {API_KEY}"}
     route, body = (
-        ("/v1/completions", {"model": TP1, "prompt": "x", "max_tokens": 2})
+        ("/v1/completions", {"model": TP4, "prompt": "x", "max_tokens": 2})
         if endpoint == "completions"
-        else ("/v1/chat/completions", {"model": TP1, "messages": [{"role": "user", "content": "x"}]})
+        else ("/v1/chat/completions", {"model": TP4, "messages": [{"role": "user", "content": "x"}]})
     )
     r = httpx.post(base + route, json=body | fields, headers=headers, timeout=60)
     assert r.status_code == 400, (fields, r.text)
@@ -262,14 +293,14 @@ def test_vllm_answers_like_the_embedded_engine(app):
 
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=app[0], headers=headers, timeout=120) as http:
-        check_answers_alike(http, TP1)
-        for raw in (b'{"model": "tiny-tp1", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100_000):
+        check_answers_alike(http, TP4)
+        for raw in (b'{"model": "tiny-tp4", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100_000):
             r = http.post("/v1/completions", content=raw)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-        r = http.post("/v1/completions", json={"model": TP1, "prompt": "x" * 10_000_000})
+        r = http.post("/v1/completions", json={"model": TP4, "prompt": "x" * 10_000_000})
         assert r.status_code == 413, r.text
         # echo with max_tokens 0: the prompt and its logprobs, no completion token (as the embedded engine)
-        echo = {"model": TP1, "prompt": "Hello world", "echo": True, "max_tokens": 0, "logprobs": 1}
+        echo = {"model": TP4, "prompt": "Hello world", "echo": True, "max_tokens": 0, "logprobs": 1}
         r = http.post("/v1/completions", json=echo).json()
         assert (
             r["choices"][0]["text"] == "Hello world"
@@ -289,22 +320,31 @@ def test_vllm_answers_like_the_embedded_engine(app):
         assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 0
 
 
-def test_greedy_tokens_equal_transformers_on_tp4_and_tp1(client, hf):
+def _greedy_equals_transformers(client, hf, model: str) -> None:
     """Token for token (text can differ at the end: vLLM holds back an incomplete UTF-8 sequence)."""
     _, tok = hf
     for prompt in PROMPTS:
         ref, _ = _hf_greedy(hf, prompt, 12)
-        for model in (TP4, TP1):
-            r = client.completions.create(
-                model=model,
-                prompt=prompt,
-                max_tokens=12,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            choice = r.choices[0]
-            assert choice.model_extra["token_ids"] == ref, (model, prompt)
-            assert tok.decode(ref).startswith(choice.text)
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        choice = r.choices[0]
+        assert choice.model_extra["token_ids"] == ref, (model, prompt)
+        assert tok.decode(ref).startswith(choice.text)
+
+
+def test_greedy_tokens_equal_transformers_on_tp4(client, hf):
+    _greedy_equals_transformers(client, hf, TP4)
+
+
+@pytest.mark.full(FULL)
+def test_greedy_tokens_equal_transformers_on_tp1(cpu_app, hf):
+    cpu = openai.OpenAI(base_url=cpu_app + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    _greedy_equals_transformers(cpu, hf, TP1)
 
 
 def test_completion_logprobs_equal_transformers(client, hf):
@@ -420,17 +460,16 @@ def test_unknown_engine_kwargs_fail_before_reserving(vllm_model_dir):
             build_openai_app(LLMServingArgs(llm_configs=[cfg]))
 
 
-def test_fuzz_from_the_openapi_document_on_vllm(app):
-    """test_http_fuzz.py's fuzz (issue 22, item 6), on this app's vLLM TP=1 model: no 5xx, no hang, every
-    answer as its document says; here so that vLLM starts once for both."""
-    document = httpx.get(app[0] + "/openapi.json", timeout=60).json()
-    fuzz_app(app[0], document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
+@pytest.mark.full(FULL)
+def test_fuzz_from_the_openapi_document_on_vllm(cpu_app):
+    """test_http_fuzz.py's fuzz (issue 22, item 6), on vLLM TP=1: no 5xx, no hang, every answer as its
+    document says."""
+    document = httpx.get(cpu_app + "/openapi.json", timeout=60).json()
+    fuzz_app(cpu_app, document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
-@pytest.mark.full(
-    "CI: a dead engine worker or host gets 503s, then a new replica (serve/test_engine_death.py, the embedded engine)"
-)
-def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):
+@pytest.mark.full(FULL)
+def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
     get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it;
     the old replica's shutdown does not hang on the dead core's client. The one-chip model's replica (a
@@ -438,10 +477,10 @@ def test_a_dead_engine_core_gets_503s_then_a_new_replica(app):
     released and retaken in test_engine_death.py (the embedded engine) and on deletion below (vLLM)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name="tpuray-vllm")
+    handle = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name=CPU_APP)
     old = handle.describe.remote().result()
     assert old["engine_core_pids"], old
-    load = Load(app[0] + "/v1/completions", TP1, headers={"Authorization": f"Bearer {API_KEY}"})
+    load = Load(cpu_app + "/v1/completions", TP1, headers={"Authorization": f"Bearer {API_KEY}"})
     kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
     tally = asyncio.run(kill_under_load(load, kill))
     assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang

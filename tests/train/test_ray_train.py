@@ -101,8 +101,30 @@ def test_emulated_torch_tpu_is_on_emulated_hosts_only(emulated_cluster) -> None:
     )
 
 
+def test_ray_train_seed_on_an_emulated_2x2(emulated_cluster, pg_leak_check, tmp_path) -> None:
+    """The seed's loop verbatim through Ray Train's own TorchTrainer(use_tpu=True) on one of the default
+    layout's v6e 2x2 slices: 4 ranks on the emulated `tpu` device with tpu_dist, one chip each of one host."""
+    from ray.train import ScalingConfig
+
+    scaling = ScalingConfig(
+        num_workers=4,
+        use_tpu=True,
+        topology="2x2",
+        accelerator_type="TPU-V6E",
+        resources_per_worker={"TPU": 1},
+    )
+    ranks = _fit(_example(), scaling, tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    for r in ranks:
+        assert r["device"].startswith("tpu") and r["backend"] == "tpu_dist" and r["torch_tpu_emulated"]
+        assert r["all_reduce"] == [6.0, 6.0] and r["TPURAY_EMULATION"] == "1" and r["TPU_WORKER_ID"] == "0"
+    assert len({r["node_id"] for r in ranks}) == 1
+    assert sorted(r["TPU_VISIBLE_CHIPS"] for r in ranks) == ["0", "1", "2", "3"]
+
+
 @pytest.mark.full(
-    "CI: Ray's TPU path on emulated hosts (test_emulated_torch_tpu_is_on_emulated_hosts_only), the 4x4 slice's hosts (slices/test_layouts.py), tpuray.train on 2x2 (train/test_data.py, train/test_callbacks.py)"
+    "CI: the same sample through Ray Train on a 2x2 (test_ray_train_seed_on_an_emulated_2x2), a 4x4 "
+    "slice's four hosts (slices/test_layouts.py)"
 )
 @pytest.mark.slow
 def test_ray_train_seed_verbatim_on_emulated_4x4(cluster_manager, pg_leak_check, tmp_path) -> None:
