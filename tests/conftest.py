@@ -60,7 +60,7 @@ HEAVY_MODULES = frozenset(
         "rl/test_vllm_rollout.py",
         "train/test_ray_train.py",
         "train/test_data.py",
-        "slices/test_layouts.py",  # light, but its 4x4 layout is then the one test_data's and Ray Train's use
+        "slices/test_layouts.py",  # light, but its 4x4 layout is then the one test_data's and Ray Train's 4x4 use
     }
 )
 # other modules with layout-swapping tests (cluster_manager without emulated_cluster): one unit, given out

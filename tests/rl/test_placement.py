@@ -104,6 +104,10 @@ def test_colocated_run_and_failures(
     _no_group_left(pg_leak_check)
 
 
+@pytest.mark.full(
+    "CI: a killed trainer worker restarts the trainer and its engine from the last update "
+    "(test_colocated_run_and_failures)"
+)
 def test_trainer_worker_killed_restarts_from_its_checkpoint(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):

@@ -2,8 +2,9 @@
 under fuzzing driven by that document (issue 22, item 6):
 - "tiny-auto" here: the tiny model (head_dim 8) under llm_engine "auto": vLLM's CPU attention cannot run
   it, so the embedded engine serves it (issue 22, item 1: a live endpoint that answers, not a dead vLLM);
-- vLLM: the same fuzz runs in test_vllm.py against that module's vLLM app (its TP=1 model), which pays
-  vLLM's start-up once for both.
+- vLLM: the same fuzz runs in test_vllm.py against its vLLM TP=1 app.
+The app's tests are in the `full` test tier (`make test-all`): CI sends the same bad and malformed
+requests to vLLM (test_vllm.py) and to the embedded engine in process (test_bad_input.py).
 Every fuzzed request gets an answer below 500 within its timeout, a documented response (validated against
 the document's schema with jsonschema), and the model answers a normal request afterwards.
 TPURAY_FUZZ_EXAMPLES sets the examples per engine (default 200 here, 100 on vLLM in test_vllm.py).
@@ -25,6 +26,11 @@ from _openapi_fuzz import EXAMPLES, REQUEST_MODELS, fuzz_app, validate
 pytestmark = pytest.mark.slow  # ~1.5 min: make test-fast skips it, make test (CI) runs it
 
 AUTO = "tiny-auto"
+FULL = pytest.mark.full(
+    "CI: the same bad and malformed requests to vLLM over HTTP (serve/test_vllm.py::test_vllm_answers_like_"
+    "the_embedded_engine) and to the embedded engine in process (serve/test_bad_input.py), llm_engine "
+    "'auto' serving a head_dim-8 model with the embedded engine (serve/test_engine_proof.py)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,7 @@ def document(app) -> dict:
     return r.json()
 
 
+@FULL
 def test_the_document_describes_the_request_and_response_models(document):
     paths, schemas = document["paths"], document["components"]["schemas"]
     for path, name in REQUEST_MODELS.items():
@@ -80,6 +87,7 @@ def test_the_document_describes_the_request_and_response_models(document):
     assert "HTTPValidationError" not in schemas
 
 
+@FULL
 def test_the_models_route_and_the_head_dim_8_model_under_auto(app, document):
     from ray import serve
 
@@ -92,6 +100,7 @@ def test_the_models_route_and_the_head_dim_8_model_under_auto(app, document):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+@FULL
 def test_fuzz_from_the_openapi_document(app, document):
     """No 5xx, no hang (each request within TIMEOUT_S), every answer as documented; then normal requests
     are served."""
@@ -103,6 +112,7 @@ def test_fuzz_from_the_openapi_document(app, document):
 JSON = {"Content-Type": "application/json"}
 
 
+@FULL
 def test_http_answers_of_both_engines(app):
     """The embedded engine answers the list test_vllm.py sends to vLLM alike (_bad_requests.py): 400s
     naming the param (streamed too), 200s."""
@@ -110,6 +120,7 @@ def test_http_answers_of_both_engines(app):
         check_answers_alike(http, AUTO)
 
 
+@FULL
 def test_http_malformed_bodies_are_400s_and_large_ones_413s_without_stalling_others(app):
     async def go() -> None:
         async with httpx.AsyncClient(base_url=app, headers=JSON, timeout=120) as http:

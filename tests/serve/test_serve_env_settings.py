@@ -11,9 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _util import free_port
 
 
+@pytest.mark.full(
+    "CI: the same app through Serve's default HTTP proxy (serve/test_serve_openai.py); Serve's direct ingress "
+    "and gRPC proxy are Ray settings tpuray passes through"
+)
 def test_one_model_app_serves_under_direct_ingress_and_the_grpc_proxy(tiny_model_dir) -> None:
     script = Path(__file__).with_name("_serve_env_app.py")
     env = dict(os.environ, RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_PROXY_USE_GRPC="1")
