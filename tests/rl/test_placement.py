@@ -37,8 +37,8 @@ def test_colocated_run_and_failures(
     (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache) while the trainer trains,
     takes update k+1 while asleep and wakes up with it. With trainer restarts, a killed trainer worker
     (the engine's rank too) restarts the trainer and the engine in the new workers, with the last update.
-    A disaggregated run whose trainer slice is held elsewhere releases the
-    rollout slice it had. Nothing is left."""
+    A disaggregated run that cannot have both sides' slices at once (one is held elsewhere) starts
+    nothing and holds nothing: the two are claimed in one request. Nothing is left."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from tpuray.rl.colocate import HostedGroup
@@ -83,14 +83,15 @@ def test_colocated_run_and_failures(
     assert [t.senders for t in result.times] == [2, 2, 2]
     _no_group_left(pg_leak_check)
 
-    # disaggregated, atomic: one slice is held elsewhere, so the trainer's cannot be had in time
+    # disaggregated, one request: one slice is held elsewhere, so the two sides' slices (one each)
+    # cannot be claimed at once in the trainer's 3 s; nothing starts, nothing is held
     disaggregated = slice_rollout_config(tiny_models[0], reservation_timeout_s=30)
     monkeypatch.setenv("TPURAY_TRAIN_RESERVE_TIMEOUT_S", "3")
     other = placement_group([{"TPU": 4, "TPU-v6e-4-head": 1}], name="someone-else")  # a whole slice
     ray.get(other.ready())
     try:
         with pytest.raises(
-            RLRunError, match=r"the trainer failed \(NoSliceError: .*no free slice within 3.0s"
+            RLRunError, match=r"could not reserve its slices at once: could not claim 2 x TPU-V6E 2x2 .*3.0s"
         ):
             RLRun(
                 RLConfig(disaggregated, ScalingConfig(**SCALING)),
@@ -98,7 +99,7 @@ def test_colocated_run_and_failures(
                 train_loop_config={"path": tiny_models[1], "strategy": "fsdp2"},
                 run_config=RunConfig(storage_path=f"file://{tmp_path}", name="no-second-slice"),
             ).run(1, lambda engine, k: _greedy(engine))
-        assert not _alive("RolloutWorker")  # the rollout slice it held was released
+        assert not _alive("RolloutWorker")  # no engine was started
     finally:
         remove_placement_group(other)
     _no_group_left(pg_leak_check)

@@ -4,6 +4,7 @@ and the pieces' checks, in process."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import _rl_loops  # noqa: E402
@@ -161,16 +162,18 @@ def _killing(at: set[int], seen: list | None = None, after_s: float = 0.0):
 
 
 def test_rl_run_syncs_from_a_tpuray_train_run(
-    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, caplog
 ):
     """Trainer (tpuray.train, 2 workers x 2 chips, tpu_dist) on one emulated slice, rollout engine (TP=2)
     on the other. FSDP2 with overlap over tpu_dist: each trainer rank sends its own Shard(0) rows, cut per
     rollout rank, and the engine generates the sent model's tokens one batch later, while rollout workers
     die at batches 1 and 2 (RLConfig.rollout_max_failures=2: new engines, the updates sent again). A run
     needing more slices than exist is refused before anything is reserved; no worker or placement group
-    is left."""
+    is left. Both sides' first reservations took the slices the run claimed in one request; the
+    replacement engines, after the claim let go, reserved their own."""
     from tpuray.train import ScalingConfig
 
+    caplog.set_level(logging.INFO, logger="tpuray.slices.placement")
     two_slices = ScalingConfig(**{**SCALING, "num_workers": 4})  # + the engine's: 3 slices, 2 exist
     with pytest.raises(
         RLRunError, match=r"needs 3 x v6e-4 slice\(s\) at once .* has 2; nothing was reserved"
@@ -201,6 +204,8 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
     assert [t.senders for t in result.times] == [2, 2, 2]  # each rollout rank: pieces from both ranks
     assert all(full < t.sync_bytes < 2 * full for t in result.times)  # TP=2: replicated x2
     assert result.times[0].sync > 0 and result.times[2].sync > 0  # (update 2: in the restart, likely)
+    lent = [r.args[0] for r in caplog.records if "heads lent by" in r.msg]
+    assert len(lent) == 2 and {*lent[0], *lent[1]} == {s.name for s in emulated_cluster.slices}, lent
     assert not alive_actors("TrainWorker")
     pg_leak_check()
 

@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
+from tpuray.rl.reserve import capacity_shortfall, claim_slices
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.sync import WeightSync
+from tpuray.slices.claim import SliceClaim
+from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.validation import ConfigError
 
 __all__ = ["IterationStats", "RLConfig", "RLResult", "RLRun", "RLRunError"]
@@ -78,8 +81,10 @@ class RLResult:
 class RLRun:
     """Runs `train_loop` under tpuray.train and the rollout engine as `config` places them (module doc).
     Reservation is all or nothing: the cluster's slices are counted first (too few: RLRunError, nothing
-    reserved), then the rollout engine's slice is reserved, then the trainer's (fit()); any failure on the
-    way, or of either side later, releases both and raises RLRunError. Colocated: only the trainer's
+    reserved), then both sides' slices are claimed in one request (tpuray.rl.reserve: a SliceClaim,
+    waiting up to the shorter side's reservation timeout), then the rollout engine reserves its claimed
+    slice and the trainer (fit()) its own; any failure on the way, or of either side later, releases
+    both and raises RLRunError. Colocated: only the trainer's
     slice is reserved, and the engine starts in its workers once they wait for batch 0.
 
     Trainer restarts: with `run_config=RunConfig(failure_config=FailureConfig(max_failures=N))` (N != 0)
@@ -124,10 +129,14 @@ class RLRun:
         """`iterations` rounds of rollout_fn(engine, k) -> trainer batch k -> weights k+1 -> engine."""
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations={iterations!r} is invalid; valid: an integer >= 1")
-        self._check_capacity()
+        claim = self._reserve_claim()  # disaggregated: both sides' slices in one request
         self._versions, self._attempt, self._last_update, self._rollout_restarts = [], 0, None, 0
-        if self.config.placement == "disaggregated":  # reserves the rollout slice (or raises, nothing held)
-            self._engine = RolloutEngine(self.config.rollout)
+        if claim is not None:
+            try:  # the rollout slice, a claimed one (or raises, nothing held)
+                self._engine = RolloutEngine(self.config.rollout)
+            except BaseException:
+                claim.close()
+                raise
         try:
             sync = WeightSync(
                 self.config.rollout_tensor_parallel_size,
@@ -138,6 +147,8 @@ class RLRun:
             )
         except BaseException:
             self._shutdown_engine()
+            if claim is not None:
+                claim.close()
             raise
         try:
             self._start_trainer(sync, iterations)
@@ -158,6 +169,25 @@ class RLRun:
         finally:
             sync.shutdown()
             self._shutdown_engine()
+            if claim is not None:  # closed already once the trainer's slice(s) were reserved too
+                claim.close()
+
+    def _reserve_claim(self) -> SliceClaim | None:
+        """Before starting anything: both sides' slices must exist at once, then (disaggregated) are
+        claimed in one request (tpuray.rl.reserve); else RLRunError, nothing reserved."""
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RLRun.run needs this process connected to a Ray cluster with the slices (ray.init)"
+            )
+        shortfall = capacity_shortfall(self.config)
+        if shortfall is not None:
+            raise RLRunError(shortfall)
+        try:
+            return claim_slices(self.config)
+        except SliceReservationTimeout as e:
+            raise RLRunError(f"the RL run could not reserve its slices at once: {e}") from e
 
     def _vllm_config(self) -> dict | None:
         """The model config a vLLM engine's layout is cut by (None: the embedded engine's layout)."""
@@ -170,35 +200,6 @@ class RLRun:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
-
-    def _check_capacity(self) -> None:
-        """Before reserving anything: the cluster must hold enough intact slices of each side's shape at
-        once (the rollout engine's and the trainer's num_slices), else RLRunError listing its slices."""
-        import ray
-
-        from tpuray.slices.inventory import format_slices, list_slices
-        from tpuray.topology import SliceTopology
-
-        if not ray.is_initialized():
-            raise RuntimeError(
-                "RLRun.run needs this process connected to a Ray cluster with the slices (ray.init)"
-            )
-        rollout, trainer = self.config.rollout, self.config.trainer
-        assert trainer.slice_topology is not None and trainer.num_slices is not None
-        need: dict[str, int] = {}
-        if self.config.placement == "disaggregated":
-            assert rollout.accelerator_type is not None and rollout.topology is not None  # RLConfig checked
-            need[SliceTopology.parse(rollout.accelerator_type, rollout.topology).pod_type] = 1
-        pod = trainer.slice_topology.pod_type
-        need[pod] = need.get(pod, 0) + trainer.num_slices
-        slices = list_slices()
-        for pod, n in need.items():
-            have = sum(1 for s in slices if s.pod_type == pod and s.intact and not s.draining)
-            if have < n:
-                raise RLRunError(
-                    f"the RL run needs {n} x {pod} slice(s) at once (the rollout engine's and the trainer's); "
-                    f"this cluster has {have}; nothing was reserved. TPU slices:\n{format_slices(slices)}"
-                )
 
     # -- the trainer --------------------------------------------------------------------------------------
     def _start_trainer(self, sync: WeightSync, iterations: int) -> None:

@@ -1,6 +1,7 @@
 """Whole-slice TPU reservations on Ray placement groups, the cluster's slice inventory, and the per-chip
 worker group that training and serving share."""
 
+from tpuray.slices.claim import SliceClaim
 from tpuray.slices.distributed import RankInfo
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, draining_nodes
 from tpuray.slices.group_start import LostWhileStarting, start_group
@@ -16,6 +17,7 @@ __all__ = [
     "LostWhileStarting",
     "PlacementError",
     "RankInfo",
+    "SliceClaim",
     "SliceInfo",
     "SlicePlacementGroup",
     "SliceReservationTimeout",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tpuray.constants import (
     PLACEMENT_STRATEGIES,
@@ -30,6 +30,9 @@ from tpuray.emulator.autoscale import check_slices_can_come
 from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
+
+if TYPE_CHECKING:
+    from tpuray.slices.lending import Loan
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> li
     return same
 
 
-def _free(slices: list[SliceInfo]) -> list[str]:
+def free_slices(slices: list[SliceInfo]) -> list[str]:
     """The names of the slices a reservation may take whole now: every chip free, every host up, none
     draining."""
     return [s.name for s in slices if s.idle and s.intact and not s.draining]
@@ -104,6 +107,7 @@ class SlicePlacementGroup:
         timeout_s: float | None = 60.0,
     ) -> None:
         self._head_pgs: list[Any] = []
+        self._loan: Loan | None = None  # heads lent by an open SliceClaim, in place of _head_pgs
         self._pg: Any = None
         # -- validate everything before touching the cluster --
         self._generation = get_generation(accelerator_version)
@@ -184,6 +188,8 @@ class SlicePlacementGroup:
         outcome = self._wait_bundles(start, bool(busy))
         if outcome == "placed":
             logger.info("reserved %s", self)
+            if self._loan is not None:
+                self._loan.placed()
             return True
         if outcome == "timeout":
             self._fail(
@@ -214,18 +220,26 @@ class SlicePlacementGroup:
     def _idle_slice_elsewhere(self) -> bool:
         """A slice of this shape, not one of this try's, whose chips are all free now."""
         same = [s for s in list_slices() if s.pod_type == self._topology.pod_type]
-        return any(name not in self._slice_names for name in _free(same))
+        return any(name not in self._slice_names for name in free_slices(same))
 
     def _reserve_heads(self, start: float) -> tuple[list[str], list[dict[str, float]]]:
         """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
         chips are all free; sets `_slice_names`. Returns the names of the slices that were idle and the
-        resources of each reserved slice's head node."""
+        resources of each reserved slice's head node. Heads an open SliceClaim lends are taken instead
+        (tpuray.slices.claim)."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
+        from tpuray.slices import lending
+
         topo = self._topology
+        self._loan = lending.lend(topo.pod_type, self._num_slices)
+        if self._loan is not None:  # an open SliceClaim holds heads of this shape: no head of our own
+            self._slice_names = list(self._loan.names)
+            logger.info("slice(s) %s: heads lent by %r", self._slice_names, self._loan.lender)
+            return list(self._slice_names), list(self._loan.resources)
         head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-        idle = _free(check_slices_can_be_reserved(topo, self._num_slices))
+        idle = free_slices(check_slices_can_be_reserved(topo, self._num_slices))
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
         for i in range(self._num_slices):
@@ -369,7 +383,8 @@ class SlicePlacementGroup:
         )
 
     def release_head_pgs(self) -> None:
-        """Drop the head reservations (the worker placement group keeps holding every chip). Idempotent."""
+        """Drop the head reservations (the worker placement group keeps holding every chip). Idempotent.
+        Heads lent by a SliceClaim stay with this reservation until shutdown()."""
         from ray.util.placement_group import remove_placement_group
 
         heads, self._head_pgs = self._head_pgs, []
@@ -390,6 +405,9 @@ class SlicePlacementGroup:
             except Exception:
                 logger.exception("failed to remove TPU slice placement group %s", pg.id)
         self.release_head_pgs()
+        loan, self._loan = self._loan, None
+        if loan is not None:  # back to the claim once the chips are free, not before
+            loan.give_back()
 
     def __enter__(self) -> SlicePlacementGroup:
         return self
