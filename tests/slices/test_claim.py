@@ -4,6 +4,7 @@ or none; SlicePlacementGroups made while it is open sit on its slices."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import ray
@@ -11,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from _util import live_placement_groups
 from tpuray import SlicePlacementGroup
-from tpuray.slices import SliceClaim, SliceReservationTimeout
+from tpuray.slices import SliceClaim, SliceReservationTimeout, pending_slice_demand
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError
 
@@ -61,7 +62,8 @@ def test_claimed_slices_are_lent_then_let_go_once_all_are_reserved(emulated_clus
 
 def test_a_claim_waiting_for_two_slices_holds_neither(emulated_cluster, pg_leak_check) -> None:
     """One slice's head is held elsewhere: a claim of both waits, holding nothing meanwhile (a one-slice
-    reservation takes the free slice), and gets both once they are free."""
+    reservation takes the free slice; the pending demand is both slices), and gets both once they are
+    free."""
     other = placement_group([{"TPU-v6e-4-head": 1}])  # someone else's head of one slice
     opened: list[SliceClaim | BaseException] = []
     claim = SliceClaim([(V6E_2X2, 2)], timeout_s=120)
@@ -76,6 +78,11 @@ def test_a_claim_waiting_for_two_slices_holds_neither(emulated_cluster, pg_leak_
     try:
         ray.get(other.ready(), timeout=30)
         waiter.start()
+        for _ in range(100):  # the whole claim is pending demand, as Ray's autoscaler reads it
+            if pending_slice_demand() == {"v6e-4": 2}:
+                break
+            time.sleep(0.1)
+        assert pending_slice_demand() == {"v6e-4": 2}
         with SlicePlacementGroup("2x2", "v6e", timeout_s=30) as spg:  # the free slice: not half-claimed
             assert len(spg.slice_names) == 1 and not opened
         remove_placement_group(other)
