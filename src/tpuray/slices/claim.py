@@ -77,7 +77,9 @@ class SliceClaim:
 
         if self._pg is not None:
             return self
-        bundles, selectors = [], []
+        if not ray.is_initialized():
+            raise RuntimeError("SliceClaim needs a Ray connection: call ray.init() first")
+        bundles, selectors, pods = [], [], []
         for topo, count in self.shapes:
             selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
             idle = free_slices(check_slices_can_be_reserved(topo, count))
@@ -85,11 +87,16 @@ class SliceClaim:
                 selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
             bundles += [{topo.head_resource: 1.0} for _ in range(count)]
             selectors += [dict(selector) for _ in range(count)]
-            self._pods += [topo.pod_type] * count
+            pods += [topo.pod_type] * count
+        self._pods = pods
         self._pg = placement_group(
             bundles, strategy="SPREAD", name=self.name, bundle_label_selector=selectors
         )
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
+        try:
+            ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
         if not ready:
             self.close()
             wanted = ", ".join(f"{n} x {t.generation.accelerator_type} {t.topology}" for t, n in self.shapes)
