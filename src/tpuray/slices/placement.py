@@ -3,7 +3,8 @@
 Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constructor names:
 1. a head placement group `[{"TPU-<pod>-head": 1}]` per slice (label selector: worker id 0, pod type)
    picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
-   extra task);
+   extra task); while a `SliceClaim` of the shape is open in this process, its claimed heads are
+   borrowed instead (tpuray.slices.claim: several parts' slices chosen in one request);
 2. one placement group with one bundle per host (or per chip share), each bound by label selector to
    `{ray.io/tpu-slice-name: <slice>, ray.io/tpu-worker-id: <worker>}`, ordered slice-major by worker id,
    each also asking for a sliver of the slice's own resource (`<slice>`, which Ray gives its hosts), so
