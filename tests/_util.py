@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 # ScalingConfig kwargs of a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice: for
 # tests whose checks do not depend on one process per chip (half the worker processes to start on 2 cores)
@@ -59,3 +62,18 @@ def alive_actors(class_name: str) -> list:
     import ray._private.state as state
 
     return [a for a in state.actors().values() if a["State"] != "DEAD" and class_name in a["ActorClassName"]]
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Start fn() in a daemon thread; its result, or the exception it raised, lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - the caller checks
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out

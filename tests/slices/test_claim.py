@@ -3,14 +3,13 @@ or none; SlicePlacementGroups made while it is open sit on its slices."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from _util import live_placement_groups
+from _util import in_thread, live_placement_groups
 from tpuray import SlicePlacementGroup
 from tpuray.slices import SliceClaim, SliceReservationTimeout, pending_slice_demand
 from tpuray.topology import SliceTopology
@@ -65,19 +64,10 @@ def test_a_claim_waiting_for_two_slices_holds_neither(emulated_cluster, pg_leak_
     reservation takes the free slice; the pending demand is both slices), and gets both once they are
     free."""
     other = placement_group([{"TPU-v6e-4-head": 1}])  # someone else's head of one slice
-    opened: list[SliceClaim | BaseException] = []
+    ray.get(other.ready(), timeout=30)
     claim = SliceClaim([(V6E_2X2, 2)], timeout_s=120)
-
-    def wait_for_both() -> None:
-        try:
-            opened.append(claim.open())
-        except BaseException as e:  # noqa: BLE001 - checked below
-            opened.append(e)
-
-    waiter = threading.Thread(target=wait_for_both, daemon=True)
+    waiter, opened = in_thread(claim.open)
     try:
-        ray.get(other.ready(), timeout=30)
-        waiter.start()
         for _ in range(100):  # the whole claim is pending demand, as Ray's autoscaler reads it
             if pending_slice_demand() == {"v6e-4": 2}:
                 break

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from _util import live_placement_groups, new_placement_groups
+from _util import in_thread, live_placement_groups, new_placement_groups
 from tpuray import SlicePlacementGroup, slice_placement_group
 from tpuray.slices import SliceReservationTimeout, list_slices
 
@@ -87,6 +87,35 @@ def test_multislice_reserves_distinct_slices_in_order(emulated_cluster, pg_leak_
         selectors = spg.bundle_label_selector
         assert [s["ray.io/tpu-slice-name"] for s in selectors] == spg.slice_names
         assert spg.bundle_index(1, 0) == 1
+        (heads,) = spg.head_placement_groups  # both heads in one placement group: both or none
+        assert heads.bundle_specs == [{"TPU-v6e-4-head": 1.0}] * 2
+
+
+def test_multislice_waits_holding_no_slice_until_both_are_free(emulated_cluster, pg_leak_check) -> None:
+    """One slice's head is held elsewhere: a 2-slice reservation waits holding neither (a 1-slice one
+    takes the free slice meanwhile), and gets both once they are free."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    other = placement_group([{"TPU-v6e-4-head": 1}])  # someone else's head of one slice
+    ray.get(other.ready(), timeout=30)
+    waiter, got = in_thread(lambda: SlicePlacementGroup("2x2", "v6e", num_slices=2, timeout_s=120))
+    try:
+        time.sleep(1.0)  # the 2-slice reservation is waiting
+        with SlicePlacementGroup("2x2", "v6e", timeout_s=30) as one:  # the free slice: not half-held
+            assert len(one.slice_names) == 1 and not got
+        remove_placement_group(other)
+        other = None
+        waiter.join(timeout=120)
+        (both,) = got
+        assert isinstance(both, SlicePlacementGroup) and len(set(both.slice_names)) == 2, both
+        both.shutdown()
+    finally:
+        if other is not None:
+            remove_placement_group(other)
+        waiter.join(timeout=120)
+        for spg in got:
+            if isinstance(spg, SlicePlacementGroup):
+                spg.shutdown()
 
 
 def test_per_chip_bundles_and_isolation(emulated_cluster, pg_leak_check) -> None:

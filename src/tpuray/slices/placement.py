@@ -1,8 +1,9 @@
 """SlicePlacementGroup: reserve whole TPU slices atomically with Ray placement groups.
 
 Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constructor names:
-1. a head placement group `[{"TPU-<pod>-head": 1}]` per slice (label selector: worker id 0, pod type)
-   picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
+1. a head placement group `[{"TPU-<pod>-head": 1}] * num_slices` (label selector: worker id 0, pod type;
+   one group for every slice, where Ray's makes one per slice, so several slices are had at once or not
+   at all) picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
    extra task); while a `SliceClaim` of the shape is open in this process, its claimed heads are
    borrowed instead (tpuray.slices.claim: several parts' slices chosen in one request);
 2. one placement group with one bundle per host (or per chip share), each bound by label selector to
@@ -224,8 +225,8 @@ class SlicePlacementGroup:
         return any(name not in self._slice_names for name in free_slices(same))
 
     def _reserve_heads(self, start: float) -> tuple[list[str], list[dict[str, float]]]:
-        """One head placement group per slice (the slice's worker-0 head resource), preferring slices whose
-        chips are all free; sets `_slice_names`. Returns the names of the slices that were idle and the
+        """One head placement group with a bundle per slice (the slice's worker-0 head resource), preferring
+        slices whose chips are all free; sets `_slice_names`. Returns the names of the slices that were idle and the
         resources of each reserved slice's head node. Heads an open SliceClaim lends are taken instead
         (tpuray.slices.claim)."""
         import ray
@@ -243,27 +244,27 @@ class SlicePlacementGroup:
         idle = free_slices(check_slices_can_be_reserved(topo, self._num_slices))
         if len(idle) >= self._num_slices:
             head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
-        for i in range(self._num_slices):
-            self._head_pgs.append(
-                placement_group(
-                    [{topo.head_resource: 1}],
-                    bundle_label_selector=[dict(head_selector)],
-                    name=f"{self._name}-head-{i}" if self._name else "",
-                    lifetime=self._lifetime,
-                )
-            )
+        # every slice's head in ONE placement group, which Ray places whole or not at all: two requests
+        # for several slices never each hold some of the free ones (Ray's: one placement group per head)
+        heads = placement_group(
+            [{topo.head_resource: 1} for _ in range(self._num_slices)],
+            strategy="SPREAD",
+            bundle_label_selector=[dict(head_selector) for _ in range(self._num_slices)],
+            name=f"{self._name}-heads" if self._name else "",
+            lifetime=self._lifetime,
+        )
+        self._head_pgs.append(heads)
         head_wait = self._remaining(start)
         if self._head_timeout_s is not None:
             head_wait = min(self._head_timeout_s, head_wait if head_wait is not None else math.inf)
-        ready, _ = ray.wait(
-            [pg.ready() for pg in self._head_pgs], num_returns=self._num_slices, timeout=head_wait
-        )
-        if len(ready) < self._num_slices:
+        ready, _ = ray.wait([heads.ready()], timeout=head_wait)
+        if not ready:
             bound = ""
             if self._head_timeout_s is not None and head_wait == self._head_timeout_s:
                 bound = f" within head_reservation_timeout_s={self._head_timeout_s}s"
-            self._fail(f"only {len(ready)} of {self._num_slices} slice head(s) could be reserved{bound}")
-        head_nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._head_pgs]
+            self._fail(f"the {self._num_slices} slice head(s) could not be reserved at once{bound}")
+        placed = placement_group_table(heads)["bundles_to_node_id"]
+        head_nodes = [placed[i] for i in range(self._num_slices)]
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in head_nodes]
         return idle, [nodes[n].get("Resources") or {} for n in head_nodes]
