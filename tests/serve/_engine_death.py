@@ -104,3 +104,35 @@ async def kill_under_load(load: Load, kill: Callable[[], object], clients: int =
         stop.set()
         await asyncio.gather(*tasks)
     return load.tally(killed_at)
+
+
+def check_the_deadline_ends_a_running_stream(config, model: str, timeout_s: float) -> None:
+    """In this process: a replica (LLMServer) for `config` streams a 100-token completion; the failover
+    slot retires its engine with a preemption deadline already past. The stream must end early with the
+    replica's 503 naming SlicePreemptedError (its last chunk), not run on or hang."""
+    from tpuray.serve.llm.openai_schema import OpenAIError
+    from tpuray.serve.llm.replica import LLMServer
+    from tpuray.slices.drain import PreemptionInfo
+
+    body = {"model": model, "prompt": "ab", "max_tokens": 100, "ignore_eos": True, "stream": True}
+
+    async def run() -> list:
+        server = await LLMServer.create(config)
+        try:
+            assert server.slot is not None
+            stream = server.handle_stream("completions", body)
+            chunks = [await anext(stream)]  # the request runs on the engine
+            past = PreemptionInfo(
+                deadline_ms=int(time.time() * 1000) - 1000, preempted_node_to_ranks={"n": [0]}
+            )
+            await server.slot._retire(server.slot._lease, past)  # the deadline came: the engine ends
+            chunks += [chunk async for chunk in stream]
+            return chunks
+        finally:
+            server.shutdown()
+
+    chunks = asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
+    error = chunks[-1]
+    assert isinstance(error, OpenAIError), chunks[-3:]
+    assert error.status == 503 and "SlicePreemptedError" in str(error), error
+    assert len(chunks) < 100  # it ended early, not after its 100 tokens

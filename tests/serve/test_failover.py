@@ -10,6 +10,7 @@ import time
 
 import httpx
 from _configs import tiny_tp4_config
+from _engine_death import check_the_deadline_ends_a_running_stream
 
 from tpuray.constants import ROLE_LABEL
 
@@ -100,34 +101,10 @@ def test_request_running_at_the_preemption_deadline_fails_with_a_503_not_a_hang(
     replica's 503 (engine_dead, naming the preemption) instead of waiting forever. In this process: the
     slot's retirement of the old engine, with a deadline already past, while a stream runs on it."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.openai_schema import OpenAIError
-    from tpuray.serve.llm.replica import LLMServer
-    from tpuray.slices.drain import PreemptionInfo
 
     config = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
         llm_engine="embedded",
         engine_kwargs={"max_model_len": 128, "max_num_seqs": 2},
     )
-    body = {"model": "tiny", "prompt": "ab", "max_tokens": 100, "ignore_eos": True, "stream": True}
-
-    async def run() -> list:
-        server = await LLMServer.create(config)
-        try:
-            assert server.slot is not None
-            stream = server.handle_stream("completions", body)
-            chunks = [await anext(stream)]  # the request runs on the engine
-            past = PreemptionInfo(
-                deadline_ms=int(time.time() * 1000) - 1000, preempted_node_to_ranks={"n": [0]}
-            )
-            await server.slot._retire(server.slot._lease, past)  # the deadline came: the engine stops
-            chunks += [chunk async for chunk in stream]
-            return chunks
-        finally:
-            server.shutdown()
-
-    chunks = asyncio.run(asyncio.wait_for(run(), timeout=120))
-    error = chunks[-1]
-    assert isinstance(error, OpenAIError), chunks[-3:]
-    assert error.status == 503 and "SlicePreemptedError" in str(error), error
-    assert len(chunks) < 100  # it ended early, not after its 100 tokens
+    check_the_deadline_ends_a_running_stream(config, "tiny", timeout_s=120)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _engine_death import Load, kill_under_load
+from _engine_death import Load, check_the_deadline_ends_a_running_stream, kill_under_load
 from _openapi_fuzz import VLLM_EXAMPLES, fuzz_app
 from _schemas import PERSON
 
@@ -509,37 +509,11 @@ def test_vllm_request_running_at_the_preemption_deadline_fails_with_a_503(vllm_m
     with the replica's 503 (engine_dead, naming the preemption) instead of waiting forever. In this
     process, vLLM TP=1 on the CPU: the failover slot's retirement of an engine whose deadline has passed
     while a 100-token stream runs on it."""
-    import time
-
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.openai_schema import OpenAIError
-    from tpuray.serve.llm.replica import LLMServer
-    from tpuray.slices.drain import PreemptionInfo
 
     config = LLMConfig(
         model_loading_config={"model_id": TP1, "model_source": vllm_model_dir},
         llm_engine="vLLM",
         engine_kwargs=ENGINE_KWARGS,
     )
-    body = {"model": TP1, "prompt": "ab", "max_tokens": 100, "ignore_eos": True, "stream": True}
-
-    async def run() -> list:
-        server = await LLMServer.create(config)
-        try:
-            assert server.slot is not None
-            stream = server.handle_stream("completions", body)
-            chunks = [await anext(stream)]  # the request runs on the engine
-            past = PreemptionInfo(
-                deadline_ms=int(time.time() * 1000) - 1000, preempted_node_to_ranks={"n": [0]}
-            )
-            await server.slot._retire(server.slot._lease, past)  # the deadline came: the engine ends
-            chunks += [chunk async for chunk in stream]
-            return chunks
-        finally:
-            server.shutdown()
-
-    chunks = asyncio.run(asyncio.wait_for(run(), timeout=300))
-    error = chunks[-1]
-    assert isinstance(error, OpenAIError), chunks[-3:]
-    assert error.status == 503 and "SlicePreemptedError" in str(error), error
-    assert len(chunks) < 100  # it ended early, not after its 100 tokens
+    check_the_deadline_ends_a_running_stream(config, TP1, timeout_s=300)
