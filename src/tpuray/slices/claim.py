@@ -22,11 +22,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tpuray.constants import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
+from tpuray.constants import SLICE_NAME_LABEL
 from tpuray.slices import lending
 from tpuray.slices.inventory import format_slices, list_slices
 from tpuray.slices.lending import Loan
-from tpuray.slices.placement import SliceReservationTimeout, check_slices_can_be_reserved, free_slices
+from tpuray.slices.placement import SliceReservationTimeout, head_bundles
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, check_positive_int, is_number
 
@@ -81,12 +81,9 @@ class SliceClaim:
             raise RuntimeError("SliceClaim needs a Ray connection: call ray.init() first")
         bundles, selectors, pods = [], [], []
         for topo, count in self.shapes:
-            selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-            idle = free_slices(check_slices_can_be_reserved(topo, count))
-            if len(idle) >= count:  # prefer slices whose chips are all free
-                selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
-            bundles += [{topo.head_resource: 1.0} for _ in range(count)]
-            selectors += [dict(selector) for _ in range(count)]
+            heads, head_selectors, _ = head_bundles(topo, count)
+            bundles += heads
+            selectors += head_selectors
             pods += [topo.pod_type] * count
         self._pods = pods
         self._pg = placement_group(

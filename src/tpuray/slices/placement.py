@@ -52,6 +52,19 @@ def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> li
     return same
 
 
+def head_bundles(
+    topo: SliceTopology, count: int
+) -> tuple[list[dict[str, float]], list[dict[str, str]], list[str]]:
+    """The bundles and label selectors that ask for the heads of `count` slices of `topo` (the worker-0
+    head resource, pod type; only slices whose chips are all free when there are enough of them), and
+    the names of those free slices."""
+    selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
+    idle = free_slices(check_slices_can_be_reserved(topo, count))
+    if len(idle) >= count:
+        selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
+    return [{topo.head_resource: 1.0} for _ in range(count)], [dict(selector) for _ in range(count)], idle
+
+
 def free_slices(slices: list[SliceInfo]) -> list[str]:
     """The names of the slices a reservation may take whole now: every chip free, every host up, none
     draining."""
@@ -240,16 +253,13 @@ class SlicePlacementGroup:
             self._slice_names = list(self._loan.names)
             logger.info("slice(s) %s: heads lent by %r", self._slice_names, self._loan.lender)
             return list(self._slice_names), list(self._loan.resources)
-        head_selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-        idle = free_slices(check_slices_can_be_reserved(topo, self._num_slices))
-        if len(idle) >= self._num_slices:
-            head_selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
+        bundles, selectors, idle = head_bundles(topo, self._num_slices)
         # every slice's head in ONE placement group, which Ray places whole or not at all: two requests
         # for several slices never each hold some of the free ones (Ray's: one placement group per head)
         heads = placement_group(
-            [{topo.head_resource: 1} for _ in range(self._num_slices)],
+            bundles,
             strategy="SPREAD",
-            bundle_label_selector=[dict(head_selector) for _ in range(self._num_slices)],
+            bundle_label_selector=selectors,
             name=f"{self._name}-heads" if self._name else "",
             lifetime=self._lifetime,
         )
