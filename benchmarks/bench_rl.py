@@ -15,10 +15,10 @@ Goals: sync < 10% of an iteration; overlap <= 0.7x sequential.
 Transports (`RLConfig(weight_sync=...)`): an RLRun per transport (FSDP2 trainer of 2 workers on one
 slice, TP=2 engine on the other) sends the same weights every iteration; seconds per `rl.send` on trainer
 rank 0 against the raw transfer of the same bytes between plain actors on the same hosts (object store:
-ray.put + ray.get; tpu_dist: send / recv over a group made the same way). Where vLLM is installed, one
-more RLRun syncs over the object store into vLLM TP=4 on the rollout slice (one vLLM worker per chip,
-each pulling only its part, cut in vLLM's layout), against the same raw transfer of the bytes its four
-ranks receive. `--only sync` stops there.
+ray.put + ray.get; tpu_dist: send / recv over a group made the same way). Where vLLM is installed, two
+more RLRuns sync over each transport into vLLM TP=4 on the rollout slice (one vLLM worker per chip,
+each taking only its part, cut in vLLM's layout: pulled, or received over the group it joins), against
+the same raw transfer of the bytes its four ranks receive. `--only sync` stops there.
 
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
                                             [--only all|sync]
@@ -224,21 +224,21 @@ def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
     return {"object_store": statistics.median(store[1:]), "tpu_dist": statistics.median(coll[1:])}
 
 
-VLLM_ROW = "object_store -> vLLM TP=4"
+VLLM_ROWS = {"object_store": "object_store -> vLLM TP=4", "tpu_dist": "tpu_dist -> vLLM TP=4"}
 
 
 def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, int]]:
     """For each weight_sync: (median seconds per sync seen by trainer rank 0, median raw transfer seconds
     of the same bytes between the same hosts, bytes per sync), FSDP2 trainer of 2 workers x 2 chips on
     one emulated v6e 2x2 -> TP=2 embedded rollout engine on the other; where vLLM is installed, also
-    object_store into vLLM TP=4 (one vLLM worker per chip, each pulling only its part)."""
+    both into vLLM TP=4 (one vLLM worker per chip, each taking only its part)."""
     from tpuray.serve.llm.engine.vllm import vllm_available
 
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
         path = _model(args, Path(root))
         runs = [("object_store", "object_store", "embedded"), ("tpu_dist", "tpu_dist", "embedded")]
         if vllm_available():
-            runs.append((VLLM_ROW, "object_store", "vllm"))
+            runs += [(row, transport, "vllm") for transport, row in VLLM_ROWS.items()]
         out = {}
         for row, transport, engine in runs:
             seconds, nbytes, senders, tp = _sync_run(path, transport, args.rounds, engine)

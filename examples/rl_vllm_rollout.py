@@ -78,7 +78,8 @@ def fsdp2_sender(config: dict) -> list:
 
 def run_rl(workdir: Path) -> None:
     """RLRun with vLLM rollouts (TP=4, one worker per chip, kv_heads 1: each rank holds a copy of the one
-    KV head) and weight_sync="object_store": each vLLM worker pulls only the pieces of its own part."""
+    KV head) and the default weight_sync="tpu_dist": each vLLM worker joins a process group with the
+    trainer's ranks and receives only the pieces of its own part ("object_store": it pulls them)."""
     from transformers import AutoModelForCausalLM
 
     from tpuray.models import build_tiny_causal_lm
@@ -111,7 +112,7 @@ def run_rl(workdir: Path) -> None:
         return tokens
 
     rl = RLRun(
-        RLConfig(rollout, trainer, weight_sync="object_store"),
+        RLConfig(rollout, trainer),  # weight_sync="tpu_dist"
         fsdp2_sender,
         train_loop_config={"path": second},
         run_config=RunConfig(storage_path=f"file://{workdir}/runs", name="vllm-rlrun"),

@@ -102,19 +102,22 @@ def restart_loop(config: dict) -> dict:
 
 
 def _exit_once_sent(rl: Any, version: int, marker: str) -> None:
-    """In a thread: once the mailbox holds this rank's update `version` (its ObjectRefs, owned by this
-    process), write `marker` and end the process, so the update is lost before the engine loads it."""
+    """In a thread: once the mailbox holds update `version` of this rank (its ObjectRefs, owned by this
+    process, or its tpu_dist offer) and of every other rank (so that the driver takes the update as soon
+    as it looks), write `marker` and end the process, so the update is lost before the engine loads it."""
     import os
     import threading
 
     import ray
 
+    from tpuray import train
     from tpuray.rl.mailbox import weight_key
 
-    key = weight_key(0, "weights", version, 0)
+    keys = [weight_key(0, "weights", version, r) for r in range(train.get_context().get_world_size())]
 
     def watch() -> None:
-        ray.get(rl.mailbox.first.remote([key], key, 600))
+        for key in keys:  # read, not taken
+            ray.get(rl.mailbox.first.remote([key], key, 600))
         with open(marker, "w") as f:
             f.write(str(os.getpid()))
         os._exit(1)

@@ -141,18 +141,10 @@ def test_trainer_worker_killed_restarts_from_its_checkpoint(
     _no_group_left(pg_leak_check)
 
 
-@pytest.mark.full(
-    "CI: a lost update's UpdateLostError on the slice engine (rl/test_rollout_engine.py), a trainer restart in an RLRun (test_trainer_worker_killed_restarts_from_its_checkpoint)"
-)
-def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
-    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, caplog
-):
-    """Disaggregated over the object store with overlap and FailureConfig(max_failures=1): trainer rank
-    0 (DDP: it sends the whole state; its process owns the objects) dies once its update 2 is in the
-    mailbox, while the driver still generates batch 2, so the engine's load of update 2 finds the objects
-    lost (UpdateLostError). The engine keeps update 1 and is not replaced; the restarted trainer resumes
-    from checkpoint 0 at iteration 1 and sends update 2 again, which the engine loads (versions 1, 2, 3:
-    the lost update is not counted). Nothing is left."""
+def _losing_run(tiny_models, tmp_path, weight_sync: str, max_failures: int) -> tuple[RLRun, object]:
+    """An RLRun (disaggregated, overlap, DDP trainer: rank 0 sends the whole state) whose trainer rank 0
+    ends its process once its update 2 is in the mailbox, while the driver still generates batch 2 (its
+    rollout_fn waits for that), so the engine's load of update 2 finds it lost; (run, rollout_fn)."""
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
 
     marker = tmp_path / "rank0-exited"
@@ -170,17 +162,53 @@ def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
         RLConfig(
             slice_rollout_config(tiny_models[0]),
             ScalingConfig(**SCALING),
-            weight_sync="object_store",
+            weight_sync=weight_sync,  # type: ignore[arg-type]
             overlap=True,
         ),
         _rl_loops.restart_loop,
         train_loop_config={"path": tiny_models[1], "lose_at": 1, "marker": str(marker)},
         run_config=RunConfig(
             storage_path=f"file://{tmp_path}",
-            name="lost-update",
-            failure_config=FailureConfig(max_failures=1),
+            name=f"lost-update-{weight_sync}",
+            failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
+    return rl, rollout
+
+
+def test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts(
+    emulated_cluster, pg_leak_check, tiny_models, tmp_path
+):
+    """Over tpu_dist without trainer restarts: trainer rank 0 dies holding the update 2 it offered (the
+    receivers had not asked for the data yet), so the rollout ranks' receive fails at once ("Connection
+    closed by peer": TransferError, UpdateLostError on the driver), before the trainer run's own failure
+    is seen; nothing would send the update again, so the run ends with an RLRunError naming the lost
+    update and the FailureConfig that would have it re-sent. Nothing is left."""
+    rl, rollout = _losing_run(tiny_models, tmp_path, "tpu_dist", max_failures=0)
+    with pytest.raises(
+        RLRunError,
+        match=r"update 2 was lost with a trainer rank before the engine loaded it \(the update's pieces were "
+        r"lost .*TransferError: .*trainer rank 0 did not arrive over tpu_dist.*FailureConfig\(max_failures=N\)",
+    ):
+        rl.run(3, rollout)
+    _no_group_left(pg_leak_check)
+
+
+@pytest.mark.full(
+    "CI: a lost update's UpdateLostError on the slice engine (rl/test_rollout_engine.py), a trainer restart in an RLRun (test_trainer_worker_killed_restarts_from_its_checkpoint), a lost update without restarts (test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts)"
+)
+@pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
+def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, caplog, weight_sync
+):
+    """Disaggregated with overlap and FailureConfig(max_failures=1), over each transport (`_losing_run`):
+    trainer rank 0 (DDP: it sends the whole state; its process owns the objects, or holds the buffer it
+    offered over tpu_dist until a receiver asks for it) dies once its update 2 is in the mailbox, so the
+    engine's load of update 2 finds the objects lost, or the connection to the sender broken
+    (UpdateLostError). The engine keeps update 1 and is not replaced; the restarted trainer resumes
+    from checkpoint 0 at iteration 1 and sends update 2 again, which the engine loads (versions 1, 2, 3:
+    the lost update is not counted). Nothing is left."""
+    rl, rollout = _losing_run(tiny_models, tmp_path, weight_sync, max_failures=1)
     with caplog.at_level("WARNING", logger="tpuray.rl"):
         result = rl.run(3, rollout)
     assert "update 2 (trainer attempt 0) was lost with a trainer rank" in caplog.text

@@ -58,7 +58,7 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     assert RolloutConfig(vllm_models[0], **slice_kw).resolved_engine == "embedded"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="TPU=2 is not supported with vLLM"):
         RolloutConfig(vllm_models[0], engine="vllm", **slice_kw)  # type: ignore[arg-type]
-    # an RLRun's weight sync into vLLM's workers goes through the object store (no tpu_dist group there)
+    # an RLRun's weight sync reaches vLLM's workers over either transport (tpu_dist the default)
     from _rl_util import SCALING
 
     from tpuray.rl import RLConfig
@@ -66,10 +66,7 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
 
     on_vllm = RolloutConfig(vllm_models[0], engine="vllm", accelerator_type="TPU-V6E", topology="2x2")
     trainer = ScalingConfig(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
-    with pytest.raises(
-        ConfigError, match=r"weight_sync='tpu_dist' with a vLLM rollout engine.*'object_store'"
-    ):
-        RLConfig(on_vllm, trainer)
+    assert RLConfig(on_vllm, trainer).weight_sync == "tpu_dist"
     RLConfig(on_vllm, trainer, weight_sync="object_store")
     with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
         RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")  # no sleep
@@ -141,7 +138,7 @@ def engine_checks(engine, state_a, state_b, seen):
     assert greedy(engine) == tokens_a  # a's output again
     return tokens_a
 
-def main(a, b, storage):
+def main(a, b, storage, weight_sync):
     ray.init()  # RAY_ADDRESS: the test's emulated cluster
     state_a = AutoModelForCausalLM.from_pretrained(a).state_dict()
     state_b = AutoModelForCausalLM.from_pretrained(b).state_dict()
@@ -161,7 +158,7 @@ def main(a, b, storage):
         num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E", resources_per_worker={"TPU": 2}
     )
     rl = RLRun(
-        RLConfig(rollout, trainer, weight_sync="object_store"), fsdp2_sender,
+        RLConfig(rollout, trainer, weight_sync=weight_sync), fsdp2_sender,
         train_loop_config={"path": b}, run_config=RunConfig(storage_path="file://" + storage, name="vllm-rl"),
     )
     result = rl.run(2, rollout_fn)
@@ -179,16 +176,20 @@ def main(a, b, storage):
     print("VLLM-ROLLOUT-OK", flush=True)
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])
 """
 
 
 @pytest.mark.full(
     "CI: the RL run on slices with the embedded engine (rl/test_sync.py), vLLM serving on a slice (serve/test_vllm.py), vLLM's weight layout (rl/test_vllm_parts.py)"
 )
-def test_vllm_rollouts_on_a_slice_in_an_rl_run(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["tpu_dist", "object_store"])
+def test_vllm_rollouts_on_a_slice_in_an_rl_run(
+    emulated_cluster, pg_leak_check, vllm_models, tmp_path, weight_sync
+):
     """vLLM (TP=4, one worker per chip) on one emulated v6e 2x2 slice as an RLRun's rollout engine, a
-    tpuray.train FSDP2 trainer on the other, weight_sync="object_store". Batch 0 folds the engine's own
+    tpuray.train FSDP2 trainer on the other, over each weight_sync (tpu_dist: the vLLM workers join a
+    process group with the trainer's ranks; object_store: they pull). Batch 0 folds the engine's own
     checks: generate (tokens, logprobs, text, seeded batches), update_weights of a full state changes the
     output and back, a misshapen update refused by the driver and by the workers with the old weights
     kept, sleep() names why vLLM's CPU backend cannot sleep. Then the trainer's update 1 reaches each vLLM
@@ -205,7 +206,7 @@ def test_vllm_rollouts_on_a_slice_in_an_rl_run(emulated_cluster, pg_leak_check, 
         "RAY_ADDRESS": emulated_cluster.address,
     }
     out = subprocess.run(
-        [sys.executable, str(script), *vllm_models, str(tmp_path / "runs")],
+        [sys.executable, str(script), *vllm_models, str(tmp_path / "runs"), weight_sync],
         capture_output=True,
         text=True,
         timeout=540,

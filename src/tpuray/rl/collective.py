@@ -37,6 +37,11 @@ TAG = 0
 Meta = tuple[str, int, tuple[int, ...], str, int]
 
 
+class TransferError(RuntimeError):
+    """A buffer offered to this rollout rank did not arrive: the connection to its sender broke (the
+    trainer rank died, or its host), so the update is lost; the engine's workers staged nothing."""
+
+
 class Offer(NamedTuple):
     """What trainer rank `sender` sends one rollout rank: one flat buffer of `nbytes` holding the pieces
     `metas` describe (`pack`)."""
@@ -162,16 +167,32 @@ class SyncGroup:
 
     def recv_all(self, offers: list[Offer]) -> list[dict[str, tuple[int, torch.Tensor]]]:
         """Receive every offer's flat buffer (all of them, so that no sender waits), then its pieces in
-        order; WeightMismatchError where an offer's metadata does not describe its buffer."""
+        order; WeightMismatchError where an offer's metadata does not describe its buffer, TransferError
+        where a buffer did not arrive (its sender's connection broke)."""
         import time
 
         t = time.perf_counter()
         bufs = [torch.empty(o.nbytes, dtype=torch.uint8) for o in offers]
-        works = [self.pg.recv([b], o.sender, TAG) for o, b in zip(offers, bufs, strict=True)]
-        for w in works:
-            w.wait()
+        works = [
+            self._arriving(o, lambda o=o, b=b: self.pg.recv([b], o.sender, TAG))
+            for o, b in zip(offers, bufs, strict=True)
+        ]
+        for o, w in zip(offers, works, strict=True):
+            self._arriving(o, w.wait)
         self.transfer_s = time.perf_counter() - t
         return [unpack(o.metas, b) for o, b in zip(offers, bufs, strict=True)]
+
+    @staticmethod
+    def _arriving(offer: Offer, step: Any) -> Any:
+        """`step()` of receiving `offer`'s buffer (posting or waiting); TransferError where it fails (gloo
+        raises a bare RuntimeError, "Connection closed by peer", once the sender's process is gone)."""
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - see above
+            raise TransferError(
+                f"weight sync: the {offer.nbytes}-byte buffer offered by trainer rank {offer.sender} did "
+                f"not arrive over tpu_dist ({type(e).__name__}: {e})"
+            ) from None
 
     def close(self) -> None:
         """Stop the group's backend on this thread (tpu_dist's gloo left running to interpreter exit

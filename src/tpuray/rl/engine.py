@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpuray.rl.collective import TransferError
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.protocol import GenerationEngine
 from tpuray.rl.sync import TrainerUpdate
@@ -44,8 +45,18 @@ class RolloutEngineError(RuntimeError):
 
 
 class UpdateLostError(RuntimeError):
-    """An update's objects were lost before every rollout worker had them (their owner, e.g. the trainer
-    rank that put them, died): nothing was loaded, the engine keeps its weights and can go on."""
+    """An update's pieces were lost before every rollout worker had them (their sender, e.g. the trainer
+    rank that put them in the object store or offered them over tpu_dist, died): nothing was loaded,
+    the engine keeps its weights and can go on."""
+
+
+def lost_update(version: int, cause: BaseException) -> UpdateLostError:
+    """The UpdateLostError of an update whose pieces a rollout worker could not get (`cause`: Ray's
+    ObjectLostError, or tpu_dist's TransferError) while the engine held weight version `version`."""
+    return UpdateLostError(
+        f"the update's pieces were lost before every rollout worker had them; the engine keeps its weights "
+        f"(version {version}): {type(cause).__name__}: {cause}"
+    )
 
 
 @dataclass(frozen=True)
@@ -297,11 +308,8 @@ class RolloutEngine:
             cause = getattr(e, "cause", None)
             if isinstance(cause, WeightMismatchError):
                 raise WeightMismatchError(str(cause)) from None
-            if isinstance(cause, ray.exceptions.ObjectLostError):
-                raise UpdateLostError(
-                    f"the update's objects were lost before every rollout worker had them; the engine keeps "
-                    f"its weights (version {self.version}): {type(cause).__name__}: {cause}"
-                ) from None
+            if isinstance(cause, ray.exceptions.ObjectLostError | TransferError):
+                raise lost_update(self.version, cause) from None
             raise
         return sum(ray.get(group.call("commit_weights")))
 

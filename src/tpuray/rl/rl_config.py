@@ -41,14 +41,13 @@ class RLConfig:
     docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
     driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
     driver, the ranks send the data point to point at once and each rollout rank checks what it received
-    before staging it (`tpuray.rl.collective`).
+    before staging it (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the
+    group and receives only the pieces of its tensor-parallel part, cut in vLLM's layout.
     "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
     the driver, each rollout rank pulls its objects and checks them (no process group between the two
     sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
     placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
-    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there; and
-    of a vLLM rollout engine (its workers pull their rank's pieces, cut in vLLM's layout, from the object
-    store: they join no tpu_dist group)."""
+    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     rollout_max_failures: int = 0
@@ -102,12 +101,6 @@ class RLConfig:
             )
 
     def _check_disaggregated(self) -> None:
-        if self.rollout.resolved_engine == "vllm" and self.weight_sync != "object_store":
-            raise ConfigError(
-                f"RLConfig.weight_sync={self.weight_sync!r} with a vLLM rollout engine: vLLM's workers pull "
-                "their pieces from Ray's object store (they join no tpu_dist group); valid: "
-                "weight_sync='object_store', or RolloutConfig(engine='embedded')"
-            )
         if not self.rollout.on_slice or not self.trainer.use_tpu:
             raise ConfigError(
                 f"RLConfig.placement='disaggregated' puts the trainer and the rollout engine on slices of "

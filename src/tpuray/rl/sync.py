@@ -350,11 +350,6 @@ class WeightSync:
 
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid; valid: {', '.join(TRANSPORTS)}")
-        if vllm_config is not None and transport != "object_store":
-            raise ValueError(
-                f"transport={transport!r} with a vLLM rollout engine: its workers take their pieces from the "
-                "object store (they join no tpu_dist group); valid: transport='object_store'"
-            )
         self.world_size = trainer_world_size
         self.formed: set[tuple[int, int]] = set()  # tpu_dist: (trainer attempt, engine) groups told to form
         self._pending_update: Any = None  # the mailbox's take_update call, while no update came of it

@@ -26,11 +26,12 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from tpuray.rl.collective import Channel
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import RolloutEngine, UpdateStats
+from tpuray.rl.engine import RolloutEngine, UpdateStats, lost_update
 from tpuray.rl.protocol import GenerationEngine
 from tpuray.rl.sync import TrainerUpdate
-from tpuray.rl.vllm_worker import EXTENSION, pack_state
+from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
@@ -137,19 +138,21 @@ class VLLMGeneration(PromptEncoder):
 
 
 class _PieceHolder:
-    """A rank -> ObjectRefs board for one update (a named Ray actor, no CPU): vLLM's workers look it up by
-    name and take their rank's refs, so the refs travel through Ray (borrowed), not vLLM's RPC."""
+    """A rank -> (ObjectRefs or Offers, tpu_dist Channel or None) board for one TrainerUpdate (a named Ray
+    actor, no CPU): vLLM's workers look it up by name and take their rank's entry, so the refs travel
+    through Ray (borrowed) and the offers need no msgpack encoding, not through vLLM's RPC."""
 
     def __init__(self) -> None:
         self.refs: list[list[Any]] | None = None
+        self.channel: Channel | None = None
 
-    def put(self, refs: list[list[Any]] | None) -> None:
-        self.refs = refs
+    def put(self, refs: list[list[Any]] | None, channel: Channel | None = None) -> None:
+        self.refs, self.channel = refs, channel
 
-    def get(self, rank: int) -> list[Any]:
+    def get(self, rank: int) -> tuple[list[Any], Channel | None]:
         if self.refs is None:
             raise RuntimeError("no update is being staged")
-        return self.refs[rank]
+        return self.refs[rank], self.channel
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -167,8 +170,10 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, update: Any) -> UpdateStats:
         """Load a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
         `model.state_dict()`) into every vLLM worker, or a `TrainerUpdate` (`tpuray.rl.sync`, an RLRun's
-        trainer ranks over weight_sync="object_store", cut in vLLM's tensor-parallel layout:
-        `tpuray.rl.vllm_layout`), of which each worker pulls only the pieces of its own part. Every name and
+        trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.vllm_layout`), of which each worker
+        takes only the pieces of its own part: pulled from the object store (weight_sync="object_store")
+        or received over the update's tpu_dist group, which the worker joins (weight_sync="tpu_dist",
+        `tpuray.rl.collective`). Every name and
         shape is checked before anything is written (a state dict here, and on each rank before any rank
         loads): WeightMismatchError names the first missing, unknown or misshapen tensor and the engine
         keeps its current weights. `ShardedUpdate`s and bare ObjectRefs are the embedded engine's
@@ -177,7 +182,7 @@ class VLLMRolloutEngine(RolloutEngine):
         start = time.perf_counter()
         args: tuple = ()
         if isinstance(update, TrainerUpdate):
-            self._check_trainer_update(update)
+            self._check_parallel(update)
             method = "tpuray_stage_pieces"
         elif isinstance(update, Mapping):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
@@ -199,17 +204,10 @@ class VLLMRolloutEngine(RolloutEngine):
             self.version += 1
         return UpdateStats(written, time.perf_counter() - start, self.version)
 
-    def _check_trainer_update(self, update: TrainerUpdate) -> None:
-        if update.channel is not None:
-            raise ValueError(
-                "a TrainerUpdate over weight_sync='tpu_dist' cannot reach vLLM's workers (they join no "
-                "tpu_dist group); valid: weight_sync='object_store'"
-            )
-        self._check_parallel(update)
-
     def _park(self, update: TrainerUpdate) -> tuple[str, str]:
-        """Park each rank's ObjectRefs in a named holder actor, from which each vLLM worker (a Ray actor
-        of vLLM's Ray executor) takes its own: only names pass vLLM's RPC, only a rank's pieces reach it.
+        """Park each rank's ObjectRefs (or tpu_dist offers, with the group's channel) in a named holder
+        actor, from which each vLLM worker (a Ray actor of vLLM's Ray executor) takes its own: only names
+        pass vLLM's RPC, only a rank's pieces reach it.
         Returns (holder name, namespace), what the workers are given."""
         import ray
 
@@ -217,7 +215,7 @@ class VLLMRolloutEngine(RolloutEngine):
             name = f"tpuray-vllm-pieces-{uuid.uuid4().hex[:12]}"
             self._pieces = ray.remote(_PieceHolder).options(name=name, num_cpus=0).remote()
             self._pieces_name = name
-        ray.get(self._pieces.put.remote([list(refs) for refs in update.refs]))
+        ray.get(self._pieces.put.remote([list(refs) for refs in update.refs], update.channel))
         return self._pieces_name, ray.get_runtime_context().namespace
 
     def _drop_pieces(self) -> None:
@@ -242,8 +240,11 @@ class VLLMRolloutEngine(RolloutEngine):
             await client.collective_rpc("tpuray_discard_weights")
             raise
         refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
-        if refused:
+        lost = [r[1] for r in staged if isinstance(r, list | tuple) and r and r[0] == LOST]
+        if refused or lost:
             await client.collective_rpc("tpuray_discard_weights")
+            if lost:
+                raise lost_update(self.version, RuntimeError(lost[0]))
             raise WeightMismatchError(refused[0])
         written = int(sum(await client.collective_rpc("tpuray_commit_weights")))
         await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused

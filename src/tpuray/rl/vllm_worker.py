@@ -13,8 +13,10 @@ can come back again from the next `collective_rpc`).
 A full state dict travels through vLLM's engine-core RPC (msgpack), which carries bytes but not tensors
 inside `collective_rpc` arguments: `pack_state` / `unpack_state` send each tensor as (dtype, shape, raw
 bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass
-the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs from a named holder actor and pulls only its
-own pieces (cut in vLLM's layout: rl/vllm_layout.py); commit loads them as sparse full-shape tensors.
+the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs (or tpu_dist offers) from a named holder actor
+and pulls them (or receives them over the update's tpu_dist group, which this worker joins at its first
+update): only its own pieces, cut in vLLM's layout (rl/vllm_layout.py); commit loads them as sparse
+full-shape tensors.
 No top-level vllm import here: vLLM imports this module by its qualified name in every worker.
 """
 
@@ -27,9 +29,11 @@ from typing import Any
 
 import torch
 
+from tpuray.rl.collective import TransferError
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 
 EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
+LOST = "lost"  # tpuray_stage_pieces's [LOST, why]: the update's pieces were lost with their sender
 Packed = dict[str, tuple[str, list[int], bytes]]
 
 
@@ -63,16 +67,18 @@ class WeightsExtension:
     def _tpuray_config(self) -> dict[str, Any]:
         return json.loads((Path(self.model_config.model) / "config.json").read_text())
 
-    def tpuray_stage_pieces(self, holder: str, namespace: str) -> int | str:
+    def tpuray_stage_pieces(self, holder: str, namespace: str) -> int | str | list[str]:
         """A TrainerUpdate's pieces for this rank (vLLM's tensor-parallel rank), taken from the named
         holder actor (tpuray.rl.vllm_rollout) and joined into this rank's part of each HF tensor; returns
         the bytes staged, or (as tpuray_stage_weights) the message naming the first missing, unknown or
-        misshapen tensor (nothing is staged)."""
+        misshapen tensor, or [LOST, why] where the pieces could not be had (their sender died); nothing
+        is staged then."""
         import functools
 
         import ray
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        from tpuray.rl.sync import resolve_pieces
         from tpuray.rl.vllm_layout import vllm_part
         from tpuray.rl.weights import join_pieces
 
@@ -83,11 +89,15 @@ class WeightsExtension:
                 "slice); this worker is not connected to Ray"
             )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        refs = ray.get(ray.get_actor(holder, namespace=namespace).get.remote(rank))
+        refs, channel = ray.get(ray.get_actor(holder, namespace=namespace).get.remote(rank))
+        try:  # from the object store, or over the tpu_dist group
+            pieces = resolve_pieces(refs, channel, rank)
+        except (ray.exceptions.ObjectLostError, TransferError) as e:
+            return [LOST, f"{type(e).__name__}: {e}"]  # the sender died: nothing staged, update lost
         config = self._tpuray_config()
         part = functools.partial(vllm_part, config=config)
         try:
-            self._tpuray_parts = join_pieces(list(ray.get(refs)), config, rank, world, part)
+            self._tpuray_parts = join_pieces(pieces, config, rank, world, part)
         except WeightMismatchError as e:
             return str(e)
         return sum(t.numel() * t.element_size() for t in self._tpuray_parts.values())
