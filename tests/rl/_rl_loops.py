@@ -55,7 +55,8 @@ def restart_loop(config: dict) -> dict:
     checkpoint before it is committed, kills its own worker (`ray.kill`) instead of checkpointing: the
     restarted attempt resumes at iteration `kill_at` and re-sends that update, which the engine holds.
     With `lose_at` (and `marker`), rank 0 instead ends its process at iteration `lose_at` once its update
-    is in the mailbox, before the engine loaded it: the update is lost with it."""
+    is in the mailbox, before the engine loaded it: the update is lost with it. With `resend`, a resumed
+    attempt first sends its restored weights (as version `start`)."""
     import json
     import os
     import tempfile
@@ -81,6 +82,8 @@ def restart_loop(config: dict) -> dict:
                 return
             time.sleep(0.2)
 
+    if restored is not None and config.get("resend"):  # the restored weights, for an engine that lost them
+        rl.send(model, version=start)
     seen = []
     for k in range(start, rl.iterations):
         seen.append(rl.batch(k))

@@ -313,7 +313,17 @@ class RLRun:
         self._engine = ColocatedRolloutEngine(self.config.rollout, hosts)
         self._engine_attempt, self._engine_hosts = attempt, hosts
         if self._last_update is not None:  # its objects are the mailbox's: they outlive a lost attempt
-            self._engine.update_weights(self._last_update)
+            try:
+                self._engine.update_weights(self._last_update)
+            except UpdateLostError as e:  # ... but not a lost host, which held them
+                self._shutdown_engine()
+                raise RLRunError(
+                    f"the RL run ended: the engine started in trainer attempt {attempt}'s workers cannot "
+                    f"load update {self._last_update.version}, whose pieces were lost with the host that "
+                    f"held them ({e}); a train loop that resumes from a checkpoint should send its restored "
+                    "weights before its first rl.batch (rl.send(model, version=<the checkpoint's version>)): "
+                    "the new engine then loads those"
+                ) from e
         return self._engine
 
     @property

@@ -334,6 +334,15 @@ def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> 
 
 
 # -- the driver's side ----------------------------------------------------------------------------------
+def on_this_node() -> Any:
+    """A scheduling strategy that keeps a driver-side helper actor (no CPU) on the driver's own node: a
+    TPU host may be lost or preempted under the run, and the helper must outlive it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 class WeightSync:
     """The driver's end of the sync between a trainer run of `trainer_world_size` ranks and a rollout
     engine of `tensor_parallel_size` ranks: a mailbox actor (no CPU) that ObjectRefs pass through."""
@@ -359,7 +368,9 @@ class WeightSync:
             else None
         )
         self.mailbox = (
-            ray.remote(num_cpus=0)(Mailbox).options(max_concurrency=1000).remote(trainer_world_size)
+            ray.remote(num_cpus=0)(Mailbox)
+            .options(max_concurrency=1000, scheduling_strategy=on_this_node())
+            .remote(trainer_world_size)
         )
         channel = self.rendezvous.channel if self.rendezvous is not None else None
         self.target = SyncTarget(

@@ -30,7 +30,7 @@ from tpuray.rl.collective import Channel
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import RolloutEngine, UpdateStats, lost_update
 from tpuray.rl.protocol import GenerationEngine
-from tpuray.rl.sync import TrainerUpdate
+from tpuray.rl.sync import TrainerUpdate, on_this_node
 from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
@@ -213,7 +213,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
         if self._pieces is None:
             name = f"tpuray-vllm-pieces-{uuid.uuid4().hex[:12]}"
-            self._pieces = ray.remote(_PieceHolder).options(name=name, num_cpus=0).remote()
+            self._pieces = (
+                ray.remote(_PieceHolder)
+                .options(name=name, num_cpus=0, scheduling_strategy=on_this_node())
+                .remote()
+            )
             self._pieces_name = name
         ray.get(self._pieces.put.remote([list(refs) for refs in update.refs], update.channel))
         return self._pieces_name, ray.get_runtime_context().namespace
