@@ -99,6 +99,36 @@ def fsdp2_sender(config):
 def greedy(engine):
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
 
+def lost_update(engine, state):
+    # a TrainerUpdate (per-rank pieces in vLLM's layout) whose rank-3 pieces are owned by a process that
+    # is gone: every vLLM worker stages nothing, UpdateLostError
+    import functools
+    from _rl_util import kill
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from tpuray.rl import UpdateLostError
+    from tpuray.rl.sync import TrainerUpdate, trainer_pieces
+    from tpuray.rl.vllm_layout import vllm_part
+
+    part = functools.partial(vllm_part, config=engine.model_config)
+    pieces = trainer_pieces(state, 0, 4, part)
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def put(self, value):
+            return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    owner = Owner.options(scheduling_strategy=here).remote()
+    (orphan,) = ray.get(owner.put.remote(pieces[3]))
+    kill(owner)  # and wait until it is gone
+    refs = tuple((ray.put(p),) for p in pieces[:3]) + ((orphan,),)
+    nbytes = tuple(sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces)
+    try:
+        engine.update_weights(TrainerUpdate(refs, nbytes))
+        raise AssertionError("an update whose pieces were lost was loaded")
+    except UpdateLostError as e:
+        assert "lost before every rollout worker had them; the engine keeps its weights" in str(e), e
+
 def engine_checks(engine, state_a, state_b, seen):
     assert isinstance(engine, VLLMRolloutEngine), type(engine)
     assert engine.describe()["engine"] == "vLLM" and engine.tensor_parallel_size == 4
@@ -127,6 +157,8 @@ def engine_checks(engine, state_a, state_b, seen):
         raise AssertionError("the workers accepted a misshapen update")
     except WeightMismatchError as e:
         assert "up_proj.weight" in str(e), e
+    assert greedy(engine) == seen["b"]  # old weights kept
+    lost_update(engine, state_a)
     assert greedy(engine) == seen["b"]  # old weights kept
     try:
         engine.sleep()
@@ -192,7 +224,8 @@ def test_vllm_rollouts_on_a_slice_in_an_rl_run(
     process group with the trainer's ranks; object_store: they pull). Batch 0 folds the engine's own
     checks: generate (tokens, logprobs, text, seeded batches), update_weights of a full state changes the
     output and back, a misshapen update refused by the driver and by the workers with the old weights
-    kept, sleep() names why vLLM's CPU backend cannot sleep. Then the trainer's update 1 reaches each vLLM
+    kept, an update whose pieces were lost with their owner raises UpdateLostError (weights kept),
+    sleep() names why vLLM's CPU backend cannot sleep. Then the trainer's update 1 reaches each vLLM
     worker as only its part (pieces cut in vLLM's layout: the one KV head copied to all 4 ranks) and
     batch 1 shows the same tokens as the full load; shutdown is explicit. Nothing is left."""
     from _util import alive_actors
