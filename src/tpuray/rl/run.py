@@ -18,16 +18,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
 from tpuray.rl.reserve import capacity_shortfall, claim_slices
+from tpuray.rl.result import IterationStats, RLResult, RLRunError
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.sync import WeightSync
+from tpuray.rl.trainer_side import TrainerSide
 from tpuray.slices.claim import SliceClaim
 from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.validation import ConfigError
@@ -37,45 +37,6 @@ __all__ = ["IterationStats", "RLConfig", "RLResult", "RLRun", "RLRunError"]
 logger = logging.getLogger(__name__)
 
 RolloutFn = Callable[[RolloutEngine, int], Any]
-STOP_TIMEOUT_S = 120.0  # for the trainer's workers to end once the run failed
-
-
-class RLRunError(RuntimeError):
-    """The RL run ended because one side failed (the trainer run, the rollout engine or a weight sync);
-    the cause is chained. Everything the run reserved was released."""
-
-
-@dataclass(frozen=True)
-class IterationStats:
-    """One iteration on the driver: seconds in `rollout` (rollout_fn of the next batch: generate + reward;
-    with overlap, while the trainer trains), `wait` (for the trainer's weights, beyond the rollout),
-    `sync` (update_weights: transfer + load; after a trainer restart, with the versions it re-sent; 0
-    where the engine that replaced a failed one took the update during the rollout, counted there) and
-    `total`; `sync_bytes` the rollout ranks received, each from up to `senders` trainer ranks; `freed`
-    (colocated) what the engine released on the chips for training."""
-
-    rollout: float
-    wait: float
-    sync: float
-    total: float
-    sync_bytes: int
-    senders: int
-    freed: int = 0  # colocated: bytes the engine's sleep() freed on the chips before the trainer trained
-
-
-@dataclass
-class RLResult:
-    """What `RLRun.run` returns: the trainer's `tpuray.train.Result`, each iteration's batch as
-    rollout_fn returned it (its time split in `times`)."""
-
-    train_result: Any
-    batches: list[Any]
-    times: list[IterationStats]
-    rollout_restarts: int = 0
-    """Rollout engines replaced after a failure (RLConfig.rollout_max_failures)."""
-    versions: list[int] = field(default_factory=list)
-    """The weight versions the engine loaded, in order: 1..iterations, plus, after a trainer restart, the
-    versions after its checkpoint again (the restarted trainer's state replaces the lost one's)."""
 
 
 class RLRun:
@@ -115,8 +76,7 @@ class RLRun:
         self.train_loop = train_loop
         self.train_loop_config = dict(train_loop_config or {})
         self.run_config = run_config
-        self._fit_out: dict[str, Any] = {}
-        self._thread: threading.Thread | None = None
+        self._trainer = TrainerSide(train_loop, self.train_loop_config, config.trainer, run_config)
         self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
         self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
         self._attempt = 0  # the trainer attempt whose updates the engine loads
@@ -151,13 +111,14 @@ class RLRun:
                 claim.close()
             raise
         try:
-            self._start_trainer(sync, iterations)
+            colocated = self.config.placement == "colocated"
+            self._trainer.start(dataclasses.replace(sync.target, iterations=iterations, colocated=colocated))
             batches, times = self._loop(sync, iterations, rollout_fn)
-            return RLResult(self._finish(), batches, times, self._rollout_restarts, self._versions)
+            return RLResult(self._trainer.result(), batches, times, self._rollout_restarts, self._versions)
         except BaseException as e:
             if self.config.placement == "disaggregated":
                 self._shutdown_engine()  # first: a trainer rank mid-send over tpu_dist then fails, not waits
-            self._stop(sync)
+            self._trainer.stop(sync)
             if isinstance(e, RLRunError):
                 raise
             side = (
@@ -201,59 +162,6 @@ class RLRun:
         if engine is not None:
             engine.shutdown()
 
-    # -- the trainer --------------------------------------------------------------------------------------
-    def _start_trainer(self, sync: WeightSync, iterations: int) -> None:
-        from tpuray.train.torch import TorchTrainer
-
-        colocated = self.config.placement == "colocated"
-        target = dataclasses.replace(sync.target, iterations=iterations, colocated=colocated)
-        trainer = TorchTrainer(
-            self.train_loop,
-            train_loop_config={**self.train_loop_config, "rl": target},
-            scaling_config=self.config.trainer,
-            run_config=self.run_config,
-        )
-        out = self._fit_out = {}
-
-        def fit() -> None:
-            try:
-                out["result"] = trainer.fit()
-            except BaseException as e:  # noqa: BLE001 - raised on the driver's thread by _alive
-                out["error"] = e
-
-        self._thread = threading.Thread(target=fit, name="tpuray-rl-trainer", daemon=True)
-        self._thread.start()
-
-    def _alive(self) -> None:
-        """Raise RLRunError when the trainer run ended (it should be waiting on the mailbox)."""
-        assert self._thread is not None
-        if self._thread.is_alive():
-            return
-        error = self._fit_out.get("error")
-        if error is not None:
-            raise RLRunError(
-                f"the RL run ended: the trainer failed ({type(error).__name__}: {error})"
-            ) from error
-        raise RLRunError("the RL run ended: the trainer's loop returned before sending all its updates")
-
-    def _finish(self) -> Any:
-        assert self._thread is not None
-        self._thread.join()
-        if "result" not in self._fit_out:
-            self._alive()
-        return self._fit_out["result"]
-
-    def _stop(self, sync: WeightSync) -> None:
-        """End the trainer run: its ranks' next mailbox call fails (SyncError), fit() fails and releases
-        its slice; wait for that (bounded)."""
-        sync.shutdown()
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-            if self._thread.is_alive():
-                logger.error(
-                    "tpuray.rl: the trainer run did not end within %ss of the failure", STOP_TIMEOUT_S
-                )
-
     # -- the loop -----------------------------------------------------------------------------------------
     def _loop(
         self, sync: WeightSync, iterations: int, rollout_fn: RolloutFn
@@ -293,7 +201,7 @@ class RLRun:
         if self.config.placement == "disaggregated":
             return self._on_engine(sync, lambda engine: rollout_fn(engine, k)), 0
         while True:
-            attempt, hosts = sync.ready(k, self._alive, functools.partial(self._take_update, sync))
+            attempt, hosts = sync.ready(k, self._trainer.alive, functools.partial(self._take_update, sync))
             try:
                 engine = self._hosted_engine(attempt, hosts)
                 batch = rollout_fn(engine, k)
@@ -326,17 +234,12 @@ class RLRun:
                 ) from e
         return self._engine
 
-    @property
-    def _trainer_restarts(self) -> bool:
-        """Whether the trainer may restart after a lost worker (FailureConfig(max_failures) != 0)."""
-        return self.run_config.failure_config.max_failures != 0
-
     def _drop_lost_engine(self, error: RolloutEngineError, hosts: list[Any]) -> None:
         """Colocated: an engine that failed because one of its workers `hosts` died with a trainer worker
         is dropped when the trainer restarts (FailureConfig); any other failure is raised."""
         from tpuray.rl.colocate import HostedGroup
 
-        if not self._trainer_restarts or HostedGroup(hosts).all_alive():
+        if not self._trainer.restarts or HostedGroup(hosts).all_alive():
             raise error
         logger.warning(
             "tpuray.rl: the colocated engine failed with a trainer worker (%s); the restarted trainer's "
@@ -357,7 +260,7 @@ class RLRun:
             return held, wait_s, sync_s
         while True:
             t0 = time.perf_counter()
-            update = sync.receive(self._alive)
+            update = sync.receive(self._trainer.alive)
             t1 = time.perf_counter()
             taken = self._take_update(sync, update)
             wait_s, sync_s = wait_s + t1 - t0, sync_s + time.perf_counter() - t1
@@ -384,7 +287,7 @@ class RLRun:
     def _lost(self, update: Any, error: UpdateLostError) -> None:
         """Disaggregated over the object store: a trainer rank died after it sent `update` and before the
         engine had it. With trainer restarts the restarted attempt sends it again; else the run ends."""
-        if not self._trainer_restarts:
+        if not self._trainer.restarts:
             raise RLRunError(
                 f"the RL run ended: update {update.version} was lost with a trainer rank before the engine "
                 f"loaded it ({error}); with RunConfig(failure_config=FailureConfig(max_failures=N)) the "
@@ -449,7 +352,7 @@ class RLRun:
         if self.config.weight_sync == "object_store":
             self._engine.update_weights(self._last_update)
             return
-        update = sync.receive(self._alive)  # the last one loaded, or (overlap) the one after it
+        update = sync.receive(self._trainer.alive)  # the last one loaded, or (overlap) the one after it
         self._note_attempt(update)
         self._load(self._engine, sync, update)
         self._last_update = update
