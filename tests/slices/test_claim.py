@@ -29,6 +29,32 @@ def test_bad_claims_are_refused_before_anything_is_reserved() -> None:
             SliceClaim(shapes, timeout_s=timeout)  # type: ignore[arg-type]
 
 
+def test_a_loan_of_an_earlier_opening_changes_nothing(emulated_cluster, pg_leak_check) -> None:
+    """A claim closed and opened again: a head lent by the first opening and given back afterwards does
+    not free the head the second opening lent (which would lend it twice)."""
+    from tpuray.slices import lending
+
+    claim = SliceClaim([(V6E_2X2, 1)], timeout_s=60)
+    try:
+        old = lending.lend(V6E_2X2.pod_type, 1)
+        assert old is None  # nothing open yet
+        claim.open()
+        old = lending.lend(V6E_2X2.pod_type, 1)
+        assert old is not None
+        claim.close()
+        claim.open()
+        new = lending.lend(V6E_2X2.pod_type, 1)
+        assert new is not None and new.indices == old.indices  # the same bundle index, a new opening
+        old.give_back()
+        old.placed()
+        assert lending.lend(V6E_2X2.pod_type, 1) is None  # still lent once, to `new`
+        assert claim.is_open
+        new.give_back()
+        assert lending.lend(V6E_2X2.pod_type, 1) is not None
+    finally:
+        claim.close()
+
+
 def test_claimed_slices_are_lent_then_let_go_once_all_are_reserved(emulated_cluster, pg_leak_check) -> None:
     every = {s.name for s in emulated_cluster.slices}
     claim = SliceClaim([(V6E_2X2, 1), (V6E_2X2, 1)], timeout_s=60)  # one shape: 2 slices

@@ -60,6 +60,7 @@ class SliceClaim:
         self._pods: list[str] = []  # the pod type of each bundle, in bundle order
         self._lent: set[int] = set()  # bundles a SlicePlacementGroup holds now
         self._placed: set[int] = set()  # bundles whose borrower's chips are reserved
+        self._term = 0  # +1 per open(): a loan of an earlier opening refers to a removed placement group
 
     @property
     def is_open(self) -> bool:
@@ -102,6 +103,7 @@ class SliceClaim:
                 f"in this cluster:\n{format_slices(list_slices())}"
             )
         with lending.LOCK:
+            self._term += 1
             lending.OPEN.append(self)
         logger.info("claimed slices %s", self.slice_names)
         return self
@@ -157,15 +159,22 @@ class SliceClaim:
         if len(heads) < count:
             return None
         self._lent.update(index for index, _, _ in heads)
-        return Loan(self, [h[0] for h in heads], [h[1] for h in heads], [h[2] for h in heads])
+        return Loan(self, [h[0] for h in heads], [h[1] for h in heads], [h[2] for h in heads], self._term)
+
+    def _current(self, loan: Loan) -> bool:
+        """Whether `loan` was lent by this opening (lending.LOCK held)."""
+        return self._pg is not None and loan.term == self._term
 
     def returned(self, loan: Loan) -> None:
         with lending.LOCK:
-            self._lent.difference_update(loan.indices)
+            if self._current(loan):
+                self._lent.difference_update(loan.indices)
 
     def placed(self, loan: Loan) -> None:
         """Once every claimed slice's chips are reserved by a borrower, let go of the heads (close())."""
         with lending.LOCK:
+            if not self._current(loan):
+                return
             self._placed.update(loan.indices)
             done = self._pg is not None and self._placed >= set(range(len(self._pods)))
         if done:

@@ -34,6 +34,7 @@ class Loan:
     indices: list[int]
     names: list[str]
     resources: list[dict[str, float]]
+    term: int = 0  # the lender's opening it was lent in: a loan of an earlier one changes nothing
 
     def give_back(self) -> None:
         self.lender.returned(self)
