@@ -50,12 +50,13 @@ class UpdateLostError(RuntimeError):
     the engine keeps its weights and can go on."""
 
 
-def lost_update(version: int, cause: BaseException) -> UpdateLostError:
-    """The UpdateLostError of an update whose pieces a rollout worker could not get (`cause`: Ray's
-    ObjectLostError, or tpu_dist's TransferError) while the engine held weight version `version`."""
+def lost_update(version: int, why: str) -> UpdateLostError:
+    """The UpdateLostError of an update whose pieces a rollout worker could not get (`why`: Ray's
+    ObjectLostError, or tpu_dist's TransferError, as "Type: message") while the engine held weight
+    version `version`."""
     return UpdateLostError(
         f"the update's pieces were lost before every rollout worker had them; the engine keeps its weights "
-        f"(version {version}): {type(cause).__name__}: {cause}"
+        f"(version {version}): {why}"
     )
 
 
@@ -309,7 +310,7 @@ class RolloutEngine:
             if isinstance(cause, WeightMismatchError):
                 raise WeightMismatchError(str(cause)) from None
             if isinstance(cause, ray.exceptions.ObjectLostError | TransferError):
-                raise lost_update(self.version, cause) from None
+                raise lost_update(self.version, f"{type(cause).__name__}: {cause}") from None
             raise
         return sum(ray.get(group.call("commit_weights")))
 

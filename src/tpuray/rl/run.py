@@ -285,8 +285,9 @@ class RLRun:
         return True
 
     def _lost(self, update: Any, error: UpdateLostError) -> None:
-        """Disaggregated over the object store: a trainer rank died after it sent `update` and before the
-        engine had it. With trainer restarts the restarted attempt sends it again; else the run ends."""
+        """Disaggregated: a trainer rank died after it sent `update` (its objects, or its offer over
+        tpu_dist) and before the engine had it. With trainer restarts the restarted attempt sends it
+        again; else the run ends."""
         if not self._trainer.restarts:
             raise RLRunError(
                 f"the RL run ended: update {update.version} was lost with a trainer rank before the engine "

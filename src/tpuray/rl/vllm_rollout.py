@@ -248,7 +248,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if refused or lost:
             await client.collective_rpc("tpuray_discard_weights")
             if lost:
-                raise lost_update(self.version, RuntimeError(lost[0]))
+                raise lost_update(self.version, lost[0])
             raise WeightMismatchError(refused[0])
         written = int(sum(await client.collective_rpc("tpuray_commit_weights")))
         await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
