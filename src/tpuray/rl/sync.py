@@ -115,17 +115,23 @@ def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, in
 
 
 def trainer_pieces(
-    state: Mapping[str, torch.Tensor], rank: int, tensor_parallel_size: int, part: PartFn = embedded_part
+    state: Mapping[str, torch.Tensor],
+    rank: int,
+    tensor_parallel_size: int,
+    part: PartFn = embedded_part,
+    compact: bool = True,
 ) -> list[dict[str, Piece]]:
     """For each rollout rank, the pieces of its part (in the layout of `part`) that this trainer rank
     holds (name -> (first row within the part, rows)); names are HF names, shapes are checked by the
-    receiver."""
+    receiver. `compact`: each piece a tensor of its own storage (to be put in the object store), else a
+    view of the rank's rows (to be packed: `tpuray.rl.collective.pack` copies it once)."""
     out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
     for name, t in state.items():
         held = _row_offset(name, t, rank)
         if held is None:
             continue
-        for r, piece in enumerate(row_pieces(name, *held, tuple(t.shape), tensor_parallel_size, part)):
+        pieces = row_pieces(name, *held, tuple(t.shape), tensor_parallel_size, part, compact)
+        for r, piece in enumerate(pieces):
             if piece is not None:
                 out[r][name] = piece
     return out
@@ -138,9 +144,11 @@ def row_pieces(
     full_shape: tuple[int, ...],
     tensor_parallel_size: int,
     part: PartFn = embedded_part,
+    compact: bool = True,
 ) -> list[Piece | None]:
     """For each rollout rank, the piece of its part of tensor `name` (of `full_shape`) within `local`,
-    the rows [first_row, first_row + len(local)) a trainer rank holds; None where they hold none of it."""
+    the rows [first_row, first_row + len(local)) a trainer rank holds; None where they hold none of it.
+    `compact`: as `trainer_pieces`."""
     a, b = first_row, first_row + local.shape[0]
     out: list[Piece | None] = []
     for r in range(tensor_parallel_size):
@@ -153,7 +161,7 @@ def row_pieces(
         piece = local[lo - a : hi - a]
         if p is not None and p[0] == 1:
             piece = piece[:, p[1] : p[2]]
-        out.append((lo - rows[0], _own_storage(piece.contiguous())))
+        out.append((lo - rows[0], _own_storage(piece.contiguous()) if compact else piece))
     return out
 
 
@@ -242,7 +250,10 @@ class SyncTarget:
         import ray
 
         rank, attempt = _rank(), _attempt()
-        pieces = trainer_pieces(model_state(model), rank, self.tensor_parallel_size, self.part)
+        packed_later = self.channel is not None and not self.colocated  # tpu_dist: pack copies them
+        pieces = trainer_pieces(
+            model_state(model), rank, self.tensor_parallel_size, self.part, compact=not packed_later
+        )
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
         key = weight_key(attempt, "weights", version, rank)
         if self.colocated:  # owned by the mailbox: the next engine may load them after this rank is gone
@@ -254,7 +265,8 @@ class SyncTarget:
             refs = [ray.put(p) if p else None for p in pieces]
             ray.get(self.mailbox.put.remote(key, (refs, nbytes)))
         else:  # only the metadata goes through the mailbox; the data straight to the rollout ranks
-            packed = [pack(p) for p in pieces]
+            where = (self.channel.host, self.channel.port, "send")  # reused: the last update was acked
+            packed = [pack(p, (*where, q)) for q, p in enumerate(pieces)]
             offers = [Offer(rank, m, f.numel()) if f is not None else None for m, f in packed]
             sent = _Sent(version, offers, nbytes, [f for _, f in packed], engine=-1)
             _LAST_SENT[(self.channel.host, self.channel.port)] = sent
