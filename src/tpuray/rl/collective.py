@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tpuray.rl import buffers
 from tpuray.rl.weights import WeightMismatchError
 
 BACKEND = "tpu_dist"
@@ -90,25 +91,13 @@ class Rendezvous:
 
 # -- packing ------------------------------------------------------------------------------------------
 ALIGN = 8  # bytes: every piece starts at a multiple, so that a view of the buffer as its dtype is legal
-_BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}  # this process's reusable flat buffers, by use
-
-
-def buffer(key: tuple[Any, ...], nbytes: int) -> torch.Tensor:
-    """A flat byte buffer of `nbytes` kept in this process under `key` and reused by the next call with
-    the same key and size: a sync moves the same sizes every time, and freshly allocated pages cost
-    about four times a copy into warm ones (benchmarks/README.md, RL weight sync). The caller must be
-    done with the last buffer of `key` (its data is overwritten)."""
-    b = _BUFFERS.get(key)
-    if b is None or b.numel() != nbytes:
-        b = _BUFFERS[key] = torch.empty(nbytes, dtype=torch.uint8)
-    return b
 
 
 def pack(
     pieces: dict[str, tuple[int, torch.Tensor]], key: tuple[Any, ...] | None = None
 ) -> tuple[list[Meta], torch.Tensor | None]:
     """The pieces for one rollout rank as their metadata and one flat byte buffer (None when empty), each
-    piece copied in once (strided pieces too); `key`: into this process's reused `buffer(key, ...)`."""
+    piece copied in once (strided pieces too); `key`: into this process's reused `buffers.flat(key, ...)`."""
     metas: list[Meta] = []
     offset = 0
     for name, (start, t) in pieces.items():
@@ -116,7 +105,7 @@ def pack(
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     if not metas:
         return metas, None
-    flat = buffer(key, offset) if key is not None else torch.empty(offset, dtype=torch.uint8)
+    flat = buffers.flat(key, offset) if key is not None else torch.empty(offset, dtype=torch.uint8)
     for (_, t), (_, _, shape, _, at) in zip(pieces.values(), metas, strict=True):
         size = t.numel() * t.element_size()
         flat[at : at + size].view(t.dtype).view(shape).copy_(t.detach())
@@ -194,7 +183,9 @@ class SyncGroup:
 
         t = time.perf_counter()
         key = (self.channel.host, self.channel.port, "recv")
-        bufs = [buffer((*key, o.sender), o.nbytes) for o in offers]  # staged views of them end at commit
+        bufs = [
+            buffers.flat((*key, o.sender), o.nbytes) for o in offers
+        ]  # staged views of them end at commit
         works = [
             self._arriving(o, lambda o=o, b=b: self.pg.recv([b], o.sender, TAG))
             for o, b in zip(offers, bufs, strict=True)

@@ -97,7 +97,7 @@ class WeightsExtension:
         config = self._tpuray_config()
         part = functools.partial(vllm_part, config=config)
         try:
-            self._tpuray_parts = join_pieces(pieces, config, rank, world, part)
+            self._tpuray_parts = join_pieces(pieces, config, rank, world, part, reuse=True)
         except WeightMismatchError as e:
             return str(e)
         return sum(t.numel() * t.element_size() for t in self._tpuray_parts.values())

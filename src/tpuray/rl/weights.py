@@ -181,12 +181,18 @@ def cut(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.narrow(dim, lo, hi - lo)
 
 
-def fuse(parts: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def fuse(
+    parts: Mapping[str, torch.Tensor], config: Mapping[str, Any], reuse: bool = False
+) -> dict[str, torch.Tensor]:
     """One rank's HF-named parts (already cut for it) as the engine's fused tensors, keyed like
-    `engine_tensors` (q/k/v -> qkv, gate/up -> gate_up)."""
+    `engine_tensors` (q/k/v -> qkv, gate/up -> gate_up); `reuse`: the fused ones in this process's
+    reused buffers (`tpuray.rl.buffers`: valid until the next update)."""
 
     def get(name: str) -> torch.Tensor:
         return parts[name].detach()
+
+    def cat(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return _cat(("fuse", key), tensors, reuse)
 
     shards = {
         "embed": get("model.embed_tokens.weight"),
@@ -197,13 +203,27 @@ def fuse(parts: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[s
         p, q = f"model.layers.{i}.", f"layers.{i}."
         shards[q + "in_norm"] = get(p + "input_layernorm.weight")
         shards[q + "post_norm"] = get(p + "post_attention_layernorm.weight")
-        shards[q + "qkv"] = torch.cat([get(p + f"self_attn.{x}.weight") for x in COLUMN_PARALLEL])
+        shards[q + "qkv"] = cat(q + "qkv", [get(p + f"self_attn.{x}.weight") for x in COLUMN_PARALLEL])
         shards[q + "o"] = get(p + "self_attn.o_proj.weight")
-        shards[q + "gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        shards[q + "gate_up"] = cat(
+            q + "gate_up", [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+        )
         shards[q + "down"] = get(p + "mlp.down_proj.weight")
         if _has_attention_bias(config):
-            shards[q + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}.bias") for x in COLUMN_PARALLEL])
+            shards[q + "qkv_bias"] = cat(
+                q + "qkv_bias", [get(p + f"self_attn.{x}.bias") for x in COLUMN_PARALLEL]
+            )
     return shards
+
+
+def _cat(key: tuple[str, str], tensors: list[torch.Tensor], reuse: bool) -> torch.Tensor:
+    """torch.cat along dim 0, into this process's reused buffer `key` when `reuse`."""
+    if not reuse or len({t.dtype for t in tensors}) != 1:
+        return torch.cat(tensors)
+    from tpuray.rl import buffers
+
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    return torch.cat(tensors, out=buffers.like(key, shape, tensors[0].dtype))
 
 
 def shard_state(
@@ -321,10 +341,12 @@ def join_pieces(
     rank: int,
     world_size: int,
     part: PartFn = embedded_part,
+    reuse: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Rollout rank `rank`'s part of each HF tensor (keyed by HF name) from the pieces every trainer rank
     sent it, in the layout of `part`; WeightMismatchError names the first missing, unknown, misshapen or
-    incomplete tensor. A tensor whose part is empty (none of its rows on this rank) may be left out."""
+    incomplete tensor. A tensor whose part is empty (none of its rows on this rank) may be left out.
+    `reuse`: parts joined from several pieces are in reused buffers (as `fuse`)."""
     expected = expected_shapes(config)
     allowed = {**expected, **optional_names(config)}
     by_name: dict[str, list[Piece]] = {}
@@ -340,19 +362,25 @@ def join_pieces(
             f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
             f"({len(missing)} of {len(expected)})"
         )
-    return {n: _join(n, ps, shapes[n], allowed[n]) for n, ps in by_name.items()}
+    return {n: _join(n, ps, shapes[n], allowed[n], reuse) for n, ps in by_name.items()}
 
 
 def assemble(
-    received: list[dict[str, Piece]], config: Mapping[str, Any], rank: int, world_size: int
+    received: list[dict[str, Piece]],
+    config: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    reuse: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Rollout rank `rank`'s fused shards (the embedded engine's) from the pieces every trainer rank
     sent it; WeightMismatchError names the first missing, unknown, misshapen or incomplete tensor
-    (nothing is written)."""
-    return fuse(join_pieces(received, config, rank, world_size), config)
+    (nothing is written). `reuse`: joined and fused in this process's reused buffers (as `fuse`)."""
+    return fuse(join_pieces(received, config, rank, world_size, reuse=reuse), config, reuse)
 
 
-def _join(name: str, pieces: list[Piece], shape: tuple[int, ...], full: tuple[int, ...]) -> torch.Tensor:
+def _join(
+    name: str, pieces: list[Piece], shape: tuple[int, ...], full: tuple[int, ...], reuse: bool = False
+) -> torch.Tensor:
     pieces = sorted(pieces, key=lambda p: p[0])
     row = 0
     for start, t in pieces:
@@ -366,4 +394,4 @@ def _join(name: str, pieces: list[Piece], shape: tuple[int, ...], full: tuple[in
         row += t.shape[0]
     if row != shape[0]:
         raise WeightMismatchError(f"weight sync: {name!r} has {row} of its part's {shape[0]} rows")
-    return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])
+    return pieces[0][1] if len(pieces) == 1 else _cat(("join", name), [t for _, t in pieces], reuse)

@@ -90,7 +90,8 @@ class RunnerWeights:
 
         self.staged = None
         pieces = resolve_pieces(refs, channel, self.rank)
-        shards = assemble(pieces, self.config, self.rank, self.world_size)
+        # reused buffers: the staged shards are committed or discarded before the next update
+        shards = assemble(pieces, self.config, self.rank, self.world_size, reuse=True)
         return self.stage_shards(shards)
 
     def commit(self) -> int:
