@@ -48,3 +48,23 @@ def kill(actor: Any) -> None:
             time.sleep(0.1)
     except ray.exceptions.RayActorError:
         pass
+
+
+def orphaned(value: Any) -> Any:
+    """An ObjectRef of `value` whose owner (a process made for it) is gone: pulling it raises Ray's
+    ObjectLostError. The owner runs on the driver's (CPU) node: a rollout worker on the owner's node
+    could still read the object from its node's store until that raylet frees it, asynchronously after
+    the owner's death."""
+    import ray
+
+    from tpuray.rl.sync import on_this_node
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def put(self, value: Any) -> list:
+            return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
+
+    owner = Owner.options(scheduling_strategy=on_this_node()).remote()
+    (ref,) = ray.get(owner.put.remote(value))
+    kill(owner)
+    return ref

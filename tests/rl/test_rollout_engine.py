@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _rl_util import GREEDY, PROMPTS
+from _rl_util import GREEDY, PROMPTS, orphaned
 from _rl_util import greedy as _greedy
-from _rl_util import kill as _kill
 from _rl_util import state_dict as _state_dict
 
 from tpuray.rl import (
@@ -100,7 +99,6 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
     sent through the object store; a mismatch is refused by the workers, and an update whose objects were
     lost with their owner raises UpdateLostError, with the old weights kept."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cfg = RolloutConfig(
         tiny_models[0],
@@ -148,17 +146,7 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
         assert _greedy(engine) == reference["a"]
 
         # rank 1's part owned by a process that is gone: nothing is loaded, the engine goes on
-        @ray.remote(num_cpus=0)
-        class Owner:
-            def put(self, value):
-                return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
-
-        # on the driver's (CPU) node: a rollout worker on the owner's node could still read the object from
-        # its node's store until that raylet frees it, asynchronously after the owner's death
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        owner = Owner.options(scheduling_strategy=here).remote()
-        (orphan,) = ray.get(owner.put.remote(ray.get(sharded.refs[1])))
-        _kill(owner)
+        orphan = orphaned(ray.get(sharded.refs[1]))
         with pytest.raises(
             UpdateLostError, match=r"lost before every rollout worker had them; the engine keeps its weights"
         ):

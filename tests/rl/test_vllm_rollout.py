@@ -103,25 +103,14 @@ def lost_update(engine, state):
     # a TrainerUpdate (per-rank pieces in vLLM's layout) whose rank-3 pieces are owned by a process that
     # is gone: every vLLM worker stages nothing, UpdateLostError
     import functools
-    from _rl_util import kill
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from _rl_util import orphaned
     from tpuray.rl import UpdateLostError
     from tpuray.rl.sync import TrainerUpdate, trainer_pieces
     from tpuray.rl.vllm_layout import vllm_part
 
     part = functools.partial(vllm_part, config=engine.model_config)
     pieces = trainer_pieces(state, 0, 4, part)
-
-    @ray.remote(num_cpus=0)
-    class Owner:
-        def put(self, value):
-            return [ray.put(value)]  # in a list: the caller gets this actor's ref, not the value
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    owner = Owner.options(scheduling_strategy=here).remote()
-    (orphan,) = ray.get(owner.put.remote(pieces[3]))
-    kill(owner)  # and wait until it is gone
-    refs = tuple((ray.put(p),) for p in pieces[:3]) + ((orphan,),)
+    refs = tuple((ray.put(p),) for p in pieces[:3]) + ((orphaned(pieces[3]),),)
     nbytes = tuple(sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces)
     try:
         engine.update_weights(TrainerUpdate(refs, nbytes))
