@@ -5,6 +5,7 @@ data is overwritten): an update is committed or discarded before the next one is
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +23,4 @@ def flat(key: tuple[Any, ...], nbytes: int) -> torch.Tensor:
 
 def like(key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor of `shape` and `dtype` over `flat(key, ...)`."""
-    n = 1
-    for d in shape:
-        n *= d
-    return flat(key, n * dtype.itemsize).view(dtype).view(shape)
+    return flat(key, math.prod(shape) * dtype.itemsize).view(dtype).view(shape)

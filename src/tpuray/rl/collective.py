@@ -182,10 +182,8 @@ class SyncGroup:
         import time
 
         t = time.perf_counter()
-        key = (self.channel.host, self.channel.port, "recv")
-        bufs = [
-            buffers.flat((*key, o.sender), o.nbytes) for o in offers
-        ]  # staged views of them end at commit
+        key = (self.channel.host, self.channel.port, "recv")  # staged views of them end at commit
+        bufs = [buffers.flat((*key, o.sender), o.nbytes) for o in offers]
         works = [
             self._arriving(o, lambda o=o, b=b: self.pg.recv([b], o.sender, TAG))
             for o, b in zip(offers, bufs, strict=True)

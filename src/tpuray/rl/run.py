@@ -73,10 +73,8 @@ class RLRun:
         if not isinstance(run_config, RunConfig):
             raise ConfigError(f"run_config must be a tpuray.train.RunConfig, got {run_config!r}")
         self.config = config
-        self.train_loop = train_loop
-        self.train_loop_config = dict(train_loop_config or {})
-        self.run_config = run_config
-        self._trainer = TrainerSide(train_loop, self.train_loop_config, config.trainer, run_config)
+        # the loop, its config and the RunConfig are the trainer side's (fit() in a driver thread)
+        self._trainer = TrainerSide(train_loop, dict(train_loop_config or {}), config.trainer, run_config)
         self._engine: RolloutEngine | None = None  # disaggregated: from run(); colocated: from batch 0
         self._versions: list[int] = []  # loaded into the engine, in order (RLResult.versions)
         self._attempt = 0  # the trainer attempt whose updates the engine loads

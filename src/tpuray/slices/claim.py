@@ -175,8 +175,8 @@ class SliceClaim:
         with lending.LOCK:
             if not self._current(loan):
                 return
-            self._placed.update(loan.indices)
-            done = self._pg is not None and self._placed >= set(range(len(self._pods)))
+            self._placed.update(loan.indices)  # _current: still open
+            done = self._placed >= set(range(len(self._pods)))
         if done:
             self.close()
 
