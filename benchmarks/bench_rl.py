@@ -18,10 +18,12 @@ rank 0 against the raw transfer of the same bytes between plain actors on the sa
 ray.put + ray.get; tpu_dist: send / recv over a group made the same way). Where vLLM is installed, two
 more RLRuns sync over each transport into vLLM TP=4 on the rollout slice (one vLLM worker per chip,
 each taking only its part, cut in vLLM's layout: pulled, or received over the group it joins), against
-the same raw transfer of the bytes its four ranks receive. `--only sync` stops there.
+the same raw transfer of the bytes its four ranks receive. `--only sync` stops there; `--only transports`
+runs that table alone, for the `--weight-sync` and `--engine` values given (all by default).
 
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
-                                            [--only all|sync]
+                                            [--only all|sync|transports]
+                                            [--weight-sync object_store tpu_dist] [--engine embedded vllm]
 """
 
 from __future__ import annotations
@@ -236,9 +238,12 @@ def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, 
 
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
         path = _model(args, Path(root))
-        runs = [("object_store", "object_store", "embedded"), ("tpu_dist", "tpu_dist", "embedded")]
-        if vllm_available():
-            runs += [(row, transport, "vllm") for transport, row in VLLM_ROWS.items()]
+        engines = [e for e in args.engine if e != "vllm" or vllm_available()]
+        runs = [
+            (transport if engine == "embedded" else VLLM_ROWS[transport], transport, engine)
+            for engine in engines
+            for transport in args.weight_sync
+        ]
         out = {}
         for row, transport, engine in runs:
             seconds, nbytes, senders, tp = _sync_run(path, transport, args.rounds, engine)
@@ -307,6 +312,9 @@ def print_sync(sync: float, sharded: float, raw: float, nbytes: int, rounds: int
 
 
 def print_transports(results: dict[str, tuple[float, float, int]], rounds: int) -> None:
+    if not results:
+        print("\nweight sync from tpuray.train: no row ran (--engine vllm only, and vLLM is not installed)")
+        return
     mb = next(iter(results.values()))[2] / 1e6  # the TP=2 engine's ranks receive the weights once
     print(
         f"\nweight sync from tpuray.train (FSDP2, 2 workers x 2 chips, emulated v6e 2x2) -> rollout engine on "
@@ -332,9 +340,23 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument(
         "--only",
-        choices=("all", "sync"),
+        choices=("all", "sync", "transports"),
         default="all",
-        help="sync: the weight-sync tables only (no GRPO runs)",
+        help="sync: the weight-sync tables only (no GRPO runs); transports: the RLRun transports table only",
+    )
+    ap.add_argument(
+        "--weight-sync",
+        nargs="+",
+        choices=("object_store", "tpu_dist"),
+        default=["object_store", "tpu_dist"],
+        help="transports table: these RLConfig.weight_sync values (default: both)",
+    )
+    ap.add_argument(
+        "--engine",
+        nargs="+",
+        choices=("embedded", "vllm"),
+        default=["embedded", "vllm"],
+        help="transports table: into these rollout engines (default: both; vllm where it is installed)",
     )
     args = ap.parse_args()
 
@@ -345,6 +367,9 @@ def main() -> int:
     cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=2).start()
     cluster.connect()
     try:
+        if args.only == "transports":
+            print_transports(bench_transports(args), args.rounds)
+            return 0
         sync, sharded, raw, nbytes = bench_sync(args)
         transports = bench_transports(args)
         print_transports(transports, args.rounds)

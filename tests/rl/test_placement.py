@@ -189,7 +189,7 @@ def test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts(
     with pytest.raises(
         RLRunError,
         match=r"update 2 was lost with a trainer rank before the engine loaded it \(the update's pieces were "
-        r"lost .*TransferError: .*trainer rank 0 did not arrive over tpu_dist.*FailureConfig\(max_failures=N\)",
+        r"lost .*TransferError: .*trainer rank 0 did not arrive whole over tpu_dist.*FailureConfig\(max_failures=N\)",
     ):
         rl.run(3, rollout)
     _no_group_left(pg_leak_check)

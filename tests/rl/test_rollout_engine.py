@@ -97,7 +97,8 @@ def test_update_weights_in_process(tiny_models, reference):
 def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, tiny_models, reference):
     """TP=2 on a v6e 2x2 slice (two workers of two chips): each rank takes its own shard of an update
     sent through the object store; a mismatch is refused by the workers, and an update whose objects were
-    lost with their owner raises UpdateLostError, with the old weights kept."""
+    lost with their owner, or whose tpu_dist transfer was cut half-way by its sender's death, raises
+    UpdateLostError, with the old weights kept."""
     import ray
 
     cfg = RolloutConfig(
@@ -154,9 +155,69 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
         assert _greedy(engine) == reference["a"]
         engine.update_weights(sharded)
         assert _greedy(engine) == reference["b"]
+
+        # over tpu_dist, cut half-way: the sender dies after the first chunk of each buffer went
+        _send_half_and_die(engine, _state_dict(tiny_models[0]))
+        assert _greedy(engine) == reference["b"]
     finally:
         engine.shutdown()
     pg_leak_check()
+
+
+def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
+    """An update over tpu_dist whose sender dies half-way (after its buffers' first chunks): the engine
+    raises UpdateLostError and stages nothing."""
+    import ray
+
+    from tpuray.rl.collective import Rendezvous
+    from tpuray.rl.sync import TrainerUpdate, on_this_node
+
+    @ray.remote(num_cpus=0)
+    class HalfSender:
+        """Trainer rank 0 of the group (of one trainer rank): sends each rollout rank only the first
+        chunk of its buffer, then dies."""
+
+        def offer(self, state: dict, tensor_parallel_size: int) -> list:
+            from tpuray.rl.collective import Offer, pack
+            from tpuray.rl.sync import trainer_pieces
+
+            packed = [pack(p) for p in trainer_pieces(state, 0, tensor_parallel_size, compact=False)]
+            self.flats = [flat for _, flat in packed]
+            return [Offer(0, metas, flat.numel()) for metas, flat in packed]
+
+        def send_first_chunks_and_exit(self, channel) -> None:
+            import os
+
+            from tpuray import runtime
+            from tpuray.rl.collective import chunks, member
+
+            runtime.activate()
+            group = member(channel, 0)
+            firsts = [chunks(flat, channel.chunk_bytes) for flat in self.flats]
+            assert all(len(c) > 1 for c in firsts)
+            works = [group.pg.send([c[0]], channel.rollout_rank(q), 0) for q, c in enumerate(firsts)]
+            for w in works:
+                w.wait()
+            os._exit(1)
+
+    tp = engine.tensor_parallel_size
+    rdv = Rendezvous(1, tp, timeout_s=60.0, chunk_bytes=64 << 10)  # the tiny model's buffers: many chunks
+    try:
+        sender = HalfSender.options(scheduling_strategy=on_this_node()).remote()
+        offers = ray.get(sender.offer.remote(state, tp))
+        dying = sender.send_first_chunks_and_exit.remote(rdv.channel)
+        update = TrainerUpdate(
+            tuple((o,) for o in offers), tuple(o.nbytes for o in offers), rdv.channel, version=9
+        )
+        with pytest.raises(
+            UpdateLostError,
+            match=r"TransferError: .*trainer rank 0 did not arrive whole over tpu_dist.*Connection (closed|reset) by peer",
+        ):
+            engine.update_weights(update)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(dying)
+    finally:
+        rdv.close()
 
 
 def test_update_weights_casts_to_the_engine_dtype(tiny_models):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tpuray.rl.sync import row_pieces, trainer_pieces
-from tpuray.rl.vllm_layout import sparse_full, sparse_tensors, vllm_part, vocab_rows
+from tpuray.rl.vllm_layout import SparseParts, vllm_part, vocab_rows
 from tpuray.rl.weights import expected_shapes, join_pieces, part_range
 
 HEADS, HEAD_DIM, HIDDEN, INTER = 8, 4, 32, 24
@@ -140,18 +140,19 @@ def test_sharded_trainer_pieces_join_into_each_ranks_parts(kv_heads, world):
                 if piece is not None:
                     received[r][t][name] = piece
     for r in range(world):
-        parts = join_pieces(received[r], config, r, world, part)
-        assert parts.keys() == state.keys()
-        for name, got in parts.items():
-            p = vllm_part(name, tuple(state[name].shape), r, world, config)
-            want = state[name] if p is None else state[name].narrow(p[0], p[1], p[2] - p[1])
-            assert torch.equal(got, want), (r, name)
-        for name, sparse in sparse_tensors(parts, config, r, world, fill=float("nan")):
+        sparse = SparseParts(config, r, world, fill=float("nan"))
+        for into in (None, sparse.block):  # joined on their own, then straight into sparse full tensors
+            parts = join_pieces(received[r], config, r, world, part, into=into)
+            assert parts.keys() == state.keys()
+            for name, got in parts.items():
+                p = vllm_part(name, tuple(state[name].shape), r, world, config)
+                want = state[name] if p is None else state[name].narrow(p[0], p[1], p[2] - p[1])
+                assert torch.equal(got, want), (r, name)
+        for name, full in sparse.tensors():
             p = vllm_part(name, tuple(state[name].shape), r, world, config)
             if p is not None:
-                sparse = sparse.narrow(p[0], p[1], p[2] - p[1])
-                assert torch.isnan(sparse).sum() == 0
-            assert torch.equal(sparse, parts[name]), (r, name)
+                full = full.narrow(p[0], p[1], p[2] - p[1])
+            assert not full.isnan().any() and torch.equal(full, parts[name]), (r, name)
     # a replicated trainer: rank 0 sends each vLLM rank its part, the others nothing
     assert trainer_pieces(state, 1, world, part) == [{}] * world
     pieces = trainer_pieces(state, 0, world, part)
@@ -159,15 +160,22 @@ def test_sharded_trainer_pieces_join_into_each_ranks_parts(kv_heads, world):
     assert pieces[world - 1][down][1].shape == (HIDDEN, INTER // world)
 
 
-def test_sparse_full_places_the_block():
-    block = torch.arange(8.0).reshape(4, 2)
-    buf = sparse_full((4, 6), (1, 2, 4), block, fill=float("nan"))
-    assert torch.equal(buf[:, 2:4], block) and buf[:, [0, 1, 4, 5]].isnan().all()
-    assert buf.t().is_contiguous()  # a column block: written rows of a transposed buffer
-    whole = torch.ones(3)
-    assert sparse_full((3,), None, whole) is whole
-    with pytest.raises(ValueError, match=r"needs a block of shape \(2, 6\)"):
-        sparse_full((4, 6), (0, 0, 2), block)
+def test_sparse_parts_place_each_block_in_a_full_tensor():
+    config = llama(2, vocab=512)
+    down, norm = "model.layers.0.mlp.down_proj.weight", "model.norm.weight"
+    sparse = SparseParts(config, 1, 4, fill=float("nan"))
+    block = sparse.block(down, (HIDDEN, INTER // 4), torch.float32)  # rank 1's quarter of the columns
+    block.copy_(torch.ones(HIDDEN, INTER // 4))
+    full = dict(sparse.tensors())[down]
+    cols = slice(INTER // 4, INTER // 2)
+    assert full.shape == (HIDDEN, INTER) and full[:, cols].eq(1).all()
+    assert full[:, : INTER // 4].isnan().all() and full[:, INTER // 2 :].isnan().all()
+    assert full.t().is_contiguous()  # a column block: written rows of a transposed buffer
+    assert sparse.block(norm, (HIDDEN,), torch.float32).shape == (HIDDEN,)  # replicated: the whole tensor
+    kept = SparseParts(config, 1, 4, reuse=True)
+    first = kept.block(down, (HIDDEN, INTER // 4), torch.float32)
+    again = SparseParts(config, 1, 4, reuse=True).block(down, (HIDDEN, INTER // 4), torch.float32)
+    assert again.data_ptr() == first.data_ptr()  # the next update's block reuses the buffer
 
 
 # -- against vLLM's layers ------------------------------------------------------------------------------
@@ -229,7 +237,7 @@ def load(layers: dict[str, torch.nn.Module], tensors) -> None:
 
 
 @pytest.mark.parametrize(("world", "kv_heads", "vocab"), VLLM_CASES)
-def test_sparse_tensors_load_like_full_ones_into_vllm_layers(vllm_layers, world, kv_heads, vocab):
+def test_sparse_parts_load_like_full_tensors_into_vllm_layers(vllm_layers, world, kv_heads, vocab):
     config = llama(kv_heads, vocab)
     state = random_state(config, seed=world * 100 + kv_heads * 10 + vocab)
     o_bias = ("model.layers.0.self_attn.o_proj.bias", torch.randn(HIDDEN))  # Llama attention_bias
@@ -239,9 +247,10 @@ def test_sparse_tensors_load_like_full_ones_into_vllm_layers(vllm_layers, world,
         full = build(vllm_layers, world, rank, config)
         load(full, [*state.items(), o_bias])
         sparse = build(vllm_layers, world, rank, config)
-        parts = join_pieces([pieces[rank]], config, rank, world, part)
-        bias = sparse_full((HIDDEN,), part(o_bias[0], (HIDDEN,), rank, world), o_bias[1], float("nan"))
-        load(sparse, [*sparse_tensors(parts, config, rank, world, fill=float("nan")), (o_bias[0], bias)])
+        parts = SparseParts(config, rank, world, fill=float("nan"))
+        join_pieces([pieces[rank]], config, rank, world, part, into=parts.block)
+        assert part(o_bias[0], (HIDDEN,), rank, world) is None  # replicated: loaded whole
+        load(sparse, [*parts.tensors(), o_bias])
         for layer, module in full.items():
             for pname, want in module.named_parameters():
                 got = dict(sparse[layer].named_parameters())[pname]

@@ -1,6 +1,7 @@
 """The `tpu_dist` weight-sync transport: a process group spanning a trainer's workers and a rollout
 engine's workers (both slices), over which each trainer rank sends every rollout rank the pieces of its
-tensor-parallel part (`tpuray.rl.sync.trainer_pieces`) point to point, as one flat buffer per pair. Only
+tensor-parallel part (`tpuray.rl.sync.trainer_pieces`) point to point, as one flat buffer per pair (in
+messages of at most `Channel.chunk_bytes`: 64 MiB unless the rendezvous says otherwise). Only
 each buffer's `Offer` (the pieces' metadata: name, first row, shape, dtype, offset; and its size) travels
 through the RL run's mailbox actor to the driver, which hands the offers to the engine's workers. A
 trainer rank sends as soon as its offer is in the mailbox (the driver is not in the data's path); each
@@ -33,7 +34,7 @@ from tpuray.rl.weights import WeightMismatchError
 
 BACKEND = "tpu_dist"
 PREFIX = "tpuray-rl-sync"
-TAG = 0
+CHUNK_BYTES = 64 << 20  # default most bytes of one message (Channel.chunk_bytes)
 # (name, first row within the rollout rank's part, shape, dtype name, byte offset in the flat buffer)
 Meta = tuple[str, int, tuple[int, ...], str, int]
 
@@ -63,6 +64,7 @@ class Channel:
     timeout_s: float
     generation: int = 0  # the trainer attempt: a restarted trainer forms a new group (own store prefix)
     engine: int = 0  # the rollout engine's incarnation: so does a replaced engine
+    chunk_bytes: int = CHUNK_BYTES  # a buffer moves as messages of at most this many bytes, tagged 0, 1, ...
 
     @property
     def world_size(self) -> int:
@@ -75,15 +77,30 @@ class Channel:
 class Rendezvous:
     """The driver's TCPStore for one RL run's group (closed with the run)."""
 
-    def __init__(self, trainer_world_size: int, tensor_parallel_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        trainer_world_size: int,
+        tensor_parallel_size: int,
+        timeout_s: float,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         import ray
         import torch.distributed as dist
 
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes} is invalid; valid: a positive number of bytes")
         host = ray.util.get_node_ip_address()
         self.store: Any = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
-        self.channel = Channel(host, self.store.port, trainer_world_size, tensor_parallel_size, timeout_s)
+        self.channel = Channel(
+            host,
+            self.store.port,
+            trainer_world_size,
+            tensor_parallel_size,
+            timeout_s,
+            chunk_bytes=chunk_bytes,
+        )
 
     def close(self) -> None:
         self.store = None
@@ -97,7 +114,8 @@ def pack(
     pieces: dict[str, tuple[int, torch.Tensor]], key: tuple[Any, ...] | None = None
 ) -> tuple[list[Meta], torch.Tensor | None]:
     """The pieces for one rollout rank as their metadata and one flat byte buffer (None when empty), each
-    piece copied in once (strided pieces too); `key`: into this process's reused `buffers.flat(key, ...)`."""
+    piece copied in once, from the host or the device (a strided device piece is made contiguous there
+    first); `key`: into this process's reused `buffers.flat(key, ...)`."""
     metas: list[Meta] = []
     offset = 0
     for name, (start, t) in pieces.items():
@@ -108,8 +126,14 @@ def pack(
     flat = buffers.flat(key, offset) if key is not None else torch.empty(offset, dtype=torch.uint8)
     for (_, t), (_, _, shape, _, at) in zip(pieces.values(), metas, strict=True):
         size = t.numel() * t.element_size()
-        flat[at : at + size].view(t.dtype).view(shape).copy_(t.detach())
+        src = t.detach() if t.device.type == "cpu" else t.detach().contiguous()
+        flat[at : at + size].view(t.dtype).view(shape).copy_(src)
     return metas, flat
+
+
+def chunks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`flat` as consecutive views of at most `size` bytes: the messages one buffer moves in."""
+    return [flat[at : at + size] for at in range(0, flat.numel(), size)]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -164,31 +188,38 @@ class SyncGroup:
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
 
     def send_all(self, flats: list[torch.Tensor | None]) -> None:
-        """Send flats[q] to rollout rank q (None: nothing for it) and wait until all went."""
+        """Send flats[q] to rollout rank q (None: nothing for it), in chunks, and wait until all went."""
         import time
 
         t = time.perf_counter()
+        size = self.channel.chunk_bytes
         works = [
-            self.pg.send([f], self.channel.rollout_rank(q), TAG) for q, f in enumerate(flats) if f is not None
+            self.pg.send([c], self.channel.rollout_rank(q), tag)
+            for q, f in enumerate(flats)
+            if f is not None
+            for tag, c in enumerate(chunks(f, size))
         ]
         for w in works:
             w.wait()
         self.transfer_s = time.perf_counter() - t
 
     def recv_all(self, offers: list[Offer]) -> list[dict[str, tuple[int, torch.Tensor]]]:
-        """Receive every offer's flat buffer (all of them, so that no sender waits), then its pieces in
-        order; WeightMismatchError where an offer's metadata does not describe its buffer, TransferError
-        where a buffer did not arrive (its sender's connection broke)."""
+        """Receive every offer's flat buffer, each chunk of each (all of them, so that no sender waits),
+        then its pieces in order; WeightMismatchError where an offer's metadata does not describe its
+        buffer, TransferError where a buffer did not arrive whole (its sender's connection broke, before
+        or during the transfer)."""
         import time
 
         t = time.perf_counter()
         key = (self.channel.host, self.channel.port, "recv")  # staged views of them end at commit
         bufs = [buffers.flat((*key, o.sender), o.nbytes) for o in offers]
+        size = self.channel.chunk_bytes
         works = [
-            self._arriving(o, lambda o=o, b=b: self.pg.recv([b], o.sender, TAG))
+            (o, self._arriving(o, lambda o=o, c=c, tag=tag: self.pg.recv([c], o.sender, tag)))
             for o, b in zip(offers, bufs, strict=True)
+            for tag, c in enumerate(chunks(b, size))
         ]
-        for o, w in zip(offers, works, strict=True):
+        for o, w in works:
             self._arriving(o, w.wait)
         self.transfer_s = time.perf_counter() - t
         return [unpack(o.metas, b) for o, b in zip(offers, bufs, strict=True)]
@@ -196,13 +227,14 @@ class SyncGroup:
     @staticmethod
     def _arriving(offer: Offer, step: Any) -> Any:
         """`step()` of receiving `offer`'s buffer (posting or waiting); TransferError where it fails (gloo
-        raises a bare RuntimeError, "Connection closed by peer", once the sender's process is gone)."""
+        raises a bare RuntimeError, "Connection closed by peer" or "reset by peer", once the sender's
+        process is gone)."""
         try:
             return step()
         except Exception as e:  # noqa: BLE001 - see above
             raise TransferError(
                 f"weight sync: the {offer.nbytes}-byte buffer offered by trainer rank {offer.sender} did "
-                f"not arrive over tpu_dist ({type(e).__name__}: {e})"
+                f"not arrive whole over tpu_dist ({type(e).__name__}: {e})"
             ) from None
 
     def close(self) -> None:

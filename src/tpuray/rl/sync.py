@@ -89,20 +89,20 @@ class TrainerUpdate:
 
 # -- the trainer's side ---------------------------------------------------------------------------------
 def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
-    """(this rank's local rows on the CPU, their first global row), or None when another rank sends
-    the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or `Replicate()` on a 1-D
-    mesh (what FSDP2's `fully_shard` makes)."""
+    """(this rank's local rows, where they live: on the device, their first global row), or None when
+    another rank sends the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or
+    `Replicate()` on a 1-D mesh (what FSDP2's `fully_shard` makes)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(t, DTensor):
-        return (t.detach().cpu(), 0) if rank == 0 else None
+        return (t.detach(), 0) if rank == 0 else None
     placements = tuple(t.placements)
     if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
         raise WeightMismatchError(
             f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
             "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
         )
-    local = t.to_local().detach().cpu()
+    local = t.to_local().detach()
     if placements[0] == Replicate():
         return (local, 0) if rank == 0 else None
     lo, hi = part_range(t.shape[0], t.device_mesh.get_local_rank(), t.device_mesh.size())
@@ -123,8 +123,9 @@ def trainer_pieces(
 ) -> list[dict[str, Piece]]:
     """For each rollout rank, the pieces of its part (in the layout of `part`) that this trainer rank
     holds (name -> (first row within the part, rows)); names are HF names, shapes are checked by the
-    receiver. `compact`: each piece a tensor of its own storage (to be put in the object store), else a
-    view of the rank's rows (to be packed: `tpuray.rl.collective.pack` copies it once)."""
+    receiver. `compact`: each piece a host tensor of its own storage (to be put in the object store),
+    else a view of the rank's rows where they live (to be packed: `tpuray.rl.collective.pack` copies it
+    to the host once). Either way a piece's bytes are copied once, never the rank's whole state first."""
     out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
     for name, t in state.items():
         held = _row_offset(name, t, rank)
@@ -161,8 +162,14 @@ def row_pieces(
         piece = local[lo - a : hi - a]
         if p is not None and p[0] == 1:
             piece = piece[:, p[1] : p[2]]
-        out.append((lo - rows[0], _own_storage(piece.contiguous()) if compact else piece))
+        out.append((lo - rows[0], _on_host(piece) if compact else piece))
     return out
+
+
+def _on_host(piece: torch.Tensor) -> torch.Tensor:
+    """A host tensor of its own storage holding `piece` (a device tensor's piece: one copy to the host;
+    a host view: copied out of its bigger storage, which pickling would send whole)."""
+    return _own_storage(piece.cpu().contiguous())
 
 
 def model_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -18,9 +18,10 @@ engine (`embedded_part`), so `trainer_pieces`, `join_pieces` and the transports 
 
 vLLM 0.29's loaders cannot take an already-cut block: they always narrow what they are given by the
 worker's rank (weight_loader_v2, and the embedding's check of the full vocab). So a worker hands them,
-per HF name, a "sparse full" tensor (`sparse_full`, `sparse_tensors`): the full shape, allocated
+per HF name, a "sparse full" tensor (`SparseParts`): the full shape, allocated
 uninitialized (no pages are committed for the rest), with only the rank's block written; the loaders read
-exactly that block, so the result equals loading the full tensor.
+exactly that block, so the result equals loading the full tensor. A worker joins the received pieces
+straight into those blocks (`SparseParts`), in buffers it keeps from one update to the next.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tpuray.rl import buffers
 from tpuray.rl.weights import ROW_SPLIT, Part, expected_shapes, optional_names
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -93,48 +95,63 @@ def _kv_rows(name: str, size: int, kv_heads: int, rank: int, world_size: int) ->
     return head * head_rows, (head + 1) * head_rows
 
 
-def sparse_full(
-    full_shape: tuple[int, ...], part: Part | None, block: torch.Tensor, fill: float | None = None
+class SparseParts:
+    """One vLLM rank's parts of an update, joined straight into "sparse full" tensors (one copy from the
+    received pieces): pass `block` as `tpuray.rl.weights.join_pieces(..., into=...)`, then hand
+    `tensors()` to vLLM's `load_weights` / `reload_weights`. `reuse`: the full tensors are this
+    process's reused buffers (`tpuray.rl.buffers`: valid until the next update; only the blocks' pages
+    are ever written); `fill`: filled first instead (a test's NaN)."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        rank: int,
+        world_size: int,
+        reuse: bool = False,
+        fill: float | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.reuse = reuse
+        self.fill = fill
+        self.shapes = {**expected_shapes(config), **optional_names(config)}
+        self.full: dict[str, torch.Tensor] = {}  # HF name -> its sparse full tensor, in join order
+
+    def block(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where rank's part of `name` (of `shape`) goes: its block in a new sparse full tensor."""
+        full_shape = self.shapes[name]
+        part = vllm_part(name, full_shape, self.rank, self.world_size, self.config)
+        key = ("sparse", name) if self.reuse else None
+        buf = self.full[name] = _full_buffer(full_shape, part, dtype, self.fill, key)
+        out = buf if part is None else _narrow(buf, part)
+        assert tuple(out.shape) == tuple(shape), (name, tuple(out.shape), shape)
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, sparse full tensor) of every part joined so far."""
+        return iter(self.full.items())
+
+
+def _narrow(buf: torch.Tensor, part: Part) -> torch.Tensor:
+    return buf.narrow(part[0], part[1], part[2] - part[1])
+
+
+def _full_buffer(
+    shape: tuple[int, ...],
+    part: Part | None,
+    dtype: torch.dtype,
+    fill: float | None,
+    key: tuple[Any, ...] | None = None,
 ) -> torch.Tensor:
-    """A tensor of `full_shape` holding `block` at `part` (from `vllm_part`), the rest uninitialized
-    (`fill` fills it instead, e.g. NaN in a test): what vLLM's loaders narrow to exactly `block`. Where
-    the tensor is replicated (part None), `block` is the full tensor and is returned as is."""
-    shape = tuple(full_shape)
-    if part is None:
-        if tuple(block.shape) != shape:
-            raise ValueError(
-                f"a replicated tensor of shape {shape} got a block of shape {tuple(block.shape)}"
-            )
-        return block
-    dim, lo, hi = part
-    want = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
-    if tuple(block.shape) != want:
-        raise ValueError(
-            f"part {part} of shape {shape} needs a block of shape {want}, got {tuple(block.shape)}"
-        )
-    # a column block (dim 1) is contiguous in a transposed buffer: only its pages get written
-    alloc = shape[::-1] if dim == 1 else shape
-    buf = (
-        torch.empty(alloc, dtype=block.dtype) if fill is None else torch.full(alloc, fill, dtype=block.dtype)
-    )
-    buf = buf.t() if dim == 1 else buf
-    buf.narrow(dim, lo, hi - lo).copy_(block)
-    return buf
-
-
-def sparse_tensors(
-    parts: Mapping[str, torch.Tensor],
-    config: Mapping[str, Any],
-    rank: int,
-    world_size: int,
-    fill: float | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, sparse full tensor) for each of rank's parts (keyed by HF name, as
-    `tpuray.rl.weights.join_pieces` returns them with `vllm_part`), in their order: what to hand vLLM's
-    `load_weights` / `reload_weights`. A tied model's lm_head is left out (vLLM skips it)."""
-    shapes = {**expected_shapes(config), **optional_names(config)}
-    for name, block in parts.items():
-        part = vllm_part(name, shapes[name], rank, world_size, config)
-        if part is not None and part[1] == part[2] and name == "lm_head.weight":
-            continue
-        yield name, sparse_full(shapes[name], part, block, fill)
+    """An uninitialized tensor of `shape` (reused under `key`; `fill`ed where given). A column block
+    (dim 1) is contiguous in a transposed buffer: only its pages get written."""
+    column = part is not None and part[0] == 1
+    alloc = tuple(shape[::-1]) if column else tuple(shape)
+    if fill is not None:
+        buf = torch.full(alloc, fill, dtype=dtype)
+    elif key is not None:
+        buf = buffers.like(key, alloc, dtype)
+    else:
+        buf = torch.empty(alloc, dtype=dtype)
+    return buf.t() if column else buf

@@ -15,8 +15,8 @@ inside `collective_rpc` arguments: `pack_state` / `unpack_state` send each tenso
 bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass
 the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs (or tpu_dist offers) from a named holder actor
 and pulls them (or receives them over the update's tpu_dist group, which this worker joins at its first
-update): only its own pieces, cut in vLLM's layout (rl/vllm_layout.py); commit loads them as sparse
-full-shape tensors.
+update): only its own pieces, cut in vLLM's layout (rl/vllm_layout.py), joined straight into the sparse
+full-shape tensors that commit loads (`SparseParts`: buffers kept from one update to the next).
 No top-level vllm import here: vLLM imports this module by its qualified name in every worker.
 """
 
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tpuray.rl.collective import TransferError
+from tpuray.rl.vllm_layout import SparseParts
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
 
 EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
@@ -62,7 +63,7 @@ class WeightsExtension:
     model_config: Any
     reload_weights: Any  # vLLM Worker.reload_weights
     _tpuray_staged: dict[str, torch.Tensor] | None = None  # a mixin: vLLM never calls our __init__
-    _tpuray_parts: dict[str, torch.Tensor] | None = None  # this rank's parts of a TrainerUpdate
+    _tpuray_parts: SparseParts | None = None  # this rank's parts of a TrainerUpdate
 
     def _tpuray_config(self) -> dict[str, Any]:
         return json.loads((Path(self.model_config.model) / "config.json").read_text())
@@ -96,11 +97,14 @@ class WeightsExtension:
             return [LOST, f"{type(e).__name__}: {e}"]  # the sender died: nothing staged, update lost
         config = self._tpuray_config()
         part = functools.partial(vllm_part, config=config)
+        # joined straight into the sparse full tensors vLLM's loaders take, kept from update to update
+        sparse = SparseParts(config, rank, world, reuse=True)
         try:
-            self._tpuray_parts = join_pieces(pieces, config, rank, world, part, reuse=True)
+            parts = join_pieces(pieces, config, rank, world, part, into=sparse.block)
         except WeightMismatchError as e:
             return str(e)
-        return sum(t.numel() * t.element_size() for t in self._tpuray_parts.values())
+        self._tpuray_parts = sparse
+        return sum(t.numel() * t.element_size() for t in parts.values())
 
     def tpuray_stage_weights(self, packed: Mapping[str, Any]) -> int | str:
         """Check the update and keep it; returns the bytes staged, or the WeightMismatchError's message
@@ -121,14 +125,8 @@ class WeightsExtension:
         e.g. the CPU backend's repacked GEMM weights); returns the bytes of this rank's parameters."""
         staged, self._tpuray_staged = self._tpuray_staged, None
         parts, self._tpuray_parts = self._tpuray_parts, None
-        if parts is not None:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-            from tpuray.rl.vllm_layout import sparse_tensors
-
-            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            # full-shape tensors holding only this rank's blocks: vLLM's loaders read exactly those
-            self.reload_weights(weights_iterator=sparse_tensors(parts, self._tpuray_config(), rank, world))
+        if parts is not None:  # full-shape tensors holding only this rank's blocks: the loaders read those
+            self.reload_weights(weights_iterator=parts.tensors())
         elif staged is not None:
             self.reload_weights(weights_iterator=iter(staged.items()))
         else:

@@ -333,6 +333,7 @@ def check_shards(shards: Any, model: Any) -> None:
 
 
 Piece = tuple[int, torch.Tensor]  # (first row within the rollout rank's part, rows)
+Into = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]  # HF name, part shape, dtype -> where
 
 
 def join_pieces(
@@ -342,11 +343,13 @@ def join_pieces(
     world_size: int,
     part: PartFn = embedded_part,
     reuse: bool = False,
+    into: Into | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rollout rank `rank`'s part of each HF tensor (keyed by HF name) from the pieces every trainer rank
     sent it, in the layout of `part`; WeightMismatchError names the first missing, unknown, misshapen or
     incomplete tensor. A tensor whose part is empty (none of its rows on this rank) may be left out.
-    `reuse`: parts joined from several pieces are in reused buffers (as `fuse`)."""
+    `reuse`: parts joined from several pieces are in reused buffers (as `fuse`). `into`: every part is
+    copied into the tensor `into(name, part shape, dtype)` gives (e.g. its place in a bigger buffer)."""
     expected = expected_shapes(config)
     allowed = {**expected, **optional_names(config)}
     by_name: dict[str, list[Piece]] = {}
@@ -362,7 +365,7 @@ def join_pieces(
             f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
             f"({len(missing)} of {len(expected)})"
         )
-    return {n: _join(n, ps, shapes[n], allowed[n], reuse) for n, ps in by_name.items()}
+    return {n: _join(n, ps, shapes[n], allowed[n], reuse, into) for n, ps in by_name.items()}
 
 
 def assemble(
@@ -379,7 +382,12 @@ def assemble(
 
 
 def _join(
-    name: str, pieces: list[Piece], shape: tuple[int, ...], full: tuple[int, ...], reuse: bool = False
+    name: str,
+    pieces: list[Piece],
+    shape: tuple[int, ...],
+    full: tuple[int, ...],
+    reuse: bool = False,
+    into: Into | None = None,
 ) -> torch.Tensor:
     pieces = sorted(pieces, key=lambda p: p[0])
     row = 0
@@ -394,4 +402,9 @@ def _join(
         row += t.shape[0]
     if row != shape[0]:
         raise WeightMismatchError(f"weight sync: {name!r} has {row} of its part's {shape[0]} rows")
+    if into is not None:
+        dest = into(name, shape, pieces[0][1].dtype)
+        for start, t in pieces:
+            dest[start : start + t.shape[0]].copy_(t)
+        return dest
     return pieces[0][1] if len(pieces) == 1 else _cat(("join", name), [t for _, t in pieces], reuse)
