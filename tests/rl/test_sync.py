@@ -14,8 +14,8 @@ import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
 from tpuray.rl.collective import pack, unpack
+from tpuray.rl.pieces import trainer_pieces
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
-from tpuray.rl.sync import trainer_pieces
 from tpuray.rl.weights import assemble, shard_state
 from tpuray.validation import ConfigError
 

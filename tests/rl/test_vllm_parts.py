@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from tpuray.rl.sync import row_pieces, trainer_pieces
+from tpuray.rl.pieces import row_pieces, trainer_pieces
 from tpuray.rl.vllm_layout import SparseParts, vllm_part, vocab_rows
 from tpuray.rl.weights import expected_shapes, join_pieces, part_range
 

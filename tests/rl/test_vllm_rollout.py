@@ -105,7 +105,8 @@ def lost_update(engine, state):
     import functools
     from _rl_util import orphaned
     from tpuray.rl import UpdateLostError
-    from tpuray.rl.sync import TrainerUpdate, trainer_pieces
+    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.sync import TrainerUpdate
     from tpuray.rl.vllm_layout import vllm_part
 
     part = functools.partial(vllm_part, config=engine.model_config)

@@ -12,13 +12,10 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tpuray.slices.drain import request_drain
 from tpuray.validation import ConfigError, is_number
-
-if TYPE_CHECKING:
-    from tpuray.emulator.cluster import EmulatedCluster
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +31,23 @@ def _check_seconds(name: str, value: float | None, allow_none: bool = False) -> 
         raise ConfigError(f"{name}={value!r} is invalid: use seconds >= 0{' or None' if allow_none else ''}")
 
 
+class Hosts(Protocol):
+    """What a preemption needs of its cluster (`tpuray.emulator.EmulatedCluster` is one)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def kill_host(self, node_id: str, timeout_s: float = ...) -> tuple[str, int]: ...
+
+    def restore_host(self, token: tuple[str, int]) -> str: ...
+
+
 class Preemption:
     """One emulated preemption of some hosts: drained now, killed at `deadline`, maybe restored later."""
 
     def __init__(
         self,
-        cluster: EmulatedCluster,
+        cluster: Hosts,
         node_ids: list[str],
         notice_s: float,
         restore_after_s: float | None = None,

@@ -1,6 +1,6 @@
 """The `tpu_dist` weight-sync transport: a process group spanning a trainer's workers and a rollout
 engine's workers (both slices), over which each trainer rank sends every rollout rank the pieces of its
-tensor-parallel part (`tpuray.rl.sync.trainer_pieces`) point to point, as one flat buffer per pair (in
+tensor-parallel part (`tpuray.rl.pieces.trainer_pieces`) point to point, as one flat buffer per pair (in
 messages of at most `Channel.chunk_bytes`: 64 MiB unless the rendezvous says otherwise). Only
 each buffer's `Offer` (the pieces' metadata: name, first row, shape, dtype, offset; and its size) travels
 through the RL run's mailbox actor to the driver, which hands the offers to the engine's workers. A

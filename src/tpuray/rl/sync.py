@@ -1,6 +1,7 @@
 """Weight sync straight from a `tpuray.train` run into a `RolloutEngine`'s workers (issue 23, item 2).
 
-Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs.
+Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs
+(`tpuray.rl.pieces`).
 Transport "object_store": it puts one object per rollout rank in Ray's object store; only the ObjectRefs
 travel through a small mailbox actor to the driver, which hands them to the engine: rollout rank r pulls
 the pieces addressed to it from every trainer rank, checks and assembles them, and stages its fused
@@ -48,15 +49,9 @@ import torch
 
 from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
 from tpuray.rl.mailbox import Mailbox, join_key, ready_key, resend_key, stage, weight_key
+from tpuray.rl.pieces import model_state, trainer_pieces
 from tpuray.rl.vllm_layout import vllm_part
-from tpuray.rl.weights import (
-    PartFn,
-    Piece,
-    WeightMismatchError,
-    _own_storage,
-    embedded_part,
-    part_range,
-)
+from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, embedded_part
 
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
@@ -88,101 +83,6 @@ class TrainerUpdate:
 
 
 # -- the trainer's side ---------------------------------------------------------------------------------
-def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
-    """(this rank's local rows, where they live: on the device, their first global row), or None when
-    another rank sends the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or
-    `Replicate()` on a 1-D mesh (what FSDP2's `fully_shard` makes)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(t, DTensor):
-        return (t.detach(), 0) if rank == 0 else None
-    placements = tuple(t.placements)
-    if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
-        raise WeightMismatchError(
-            f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
-            "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
-        )
-    local = t.to_local().detach()
-    if placements[0] == Replicate():
-        return (local, 0) if rank == 0 else None
-    lo, hi = part_range(t.shape[0], t.device_mesh.get_local_rank(), t.device_mesh.size())
-    if local.shape[0] != hi - lo:
-        raise WeightMismatchError(
-            f"weight sync: {name!r}'s local shard has {local.shape[0]} rows; Shard(0) over "
-            f"{t.device_mesh.size()} ranks gives rows [{lo}, {hi})"
-        )
-    return local, lo
-
-
-def trainer_pieces(
-    state: Mapping[str, torch.Tensor],
-    rank: int,
-    tensor_parallel_size: int,
-    part: PartFn = embedded_part,
-    compact: bool = True,
-) -> list[dict[str, Piece]]:
-    """For each rollout rank, the pieces of its part (in the layout of `part`) that this trainer rank
-    holds (name -> (first row within the part, rows)); names are HF names, shapes are checked by the
-    receiver. `compact`: each piece a host tensor of its own storage (to be put in the object store),
-    else a view of the rank's rows where they live (to be packed: `tpuray.rl.collective.pack` copies it
-    to the host once). Either way a piece's bytes are copied once, never the rank's whole state first."""
-    out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
-    for name, t in state.items():
-        held = _row_offset(name, t, rank)
-        if held is None:
-            continue
-        pieces = row_pieces(name, *held, tuple(t.shape), tensor_parallel_size, part, compact)
-        for r, piece in enumerate(pieces):
-            if piece is not None:
-                out[r][name] = piece
-    return out
-
-
-def row_pieces(
-    name: str,
-    local: torch.Tensor,
-    first_row: int,
-    full_shape: tuple[int, ...],
-    tensor_parallel_size: int,
-    part: PartFn = embedded_part,
-    compact: bool = True,
-) -> list[Piece | None]:
-    """For each rollout rank, the piece of its part of tensor `name` (of `full_shape`) within `local`,
-    the rows [first_row, first_row + len(local)) a trainer rank holds; None where they hold none of it.
-    `compact`: as `trainer_pieces`."""
-    a, b = first_row, first_row + local.shape[0]
-    out: list[Piece | None] = []
-    for r in range(tensor_parallel_size):
-        p = part(name, full_shape, r, tensor_parallel_size)
-        rows = (p[1], p[2]) if p is not None and p[0] == 0 else (0, full_shape[0])
-        lo, hi = max(rows[0], a), min(rows[1], b)
-        if lo >= hi:
-            out.append(None)
-            continue
-        piece = local[lo - a : hi - a]
-        if p is not None and p[0] == 1:
-            piece = piece[:, p[1] : p[2]]
-        out.append((lo - rows[0], _on_host(piece) if compact else piece))
-    return out
-
-
-def _on_host(piece: torch.Tensor) -> torch.Tensor:
-    """A host tensor of its own storage holding `piece` (a device tensor's piece: one copy to the host;
-    a host view: copied out of its bigger storage, which pickling would send whole)."""
-    return _own_storage(piece.cpu().contiguous())
-
-
-def model_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """HF-named state of a trainer's model: a state dict, a plain / FSDP2 module, or a DDP / FSDP1
-    wrapper (its `.module`)."""
-    if isinstance(model, Mapping):
-        return model
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or a state dict, got {type(model).__name__}")
-    inner = getattr(model, "module", None)
-    return (inner if isinstance(inner, torch.nn.Module) else model).state_dict()
-
-
 def _rank() -> int:
     import torch.distributed as dist
 

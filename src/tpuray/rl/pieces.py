@@ -1,0 +1,111 @@
+"""A trainer rank's side of a weight sync, before any transport: the pieces of each rollout tensor-parallel
+rank's part (`tpuray.rl.weights.embedded_part`, or vLLM's layout: `tpuray.rl.vllm_layout.vllm_part`) that
+the rank holds, cut from its tensors where they live. `tpuray.rl.weights.join_pieces` is the rollout
+rank's side: it joins the pieces every trainer rank sent into its parts.
+
+- sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank cuts from the rows it holds;
+- replicated trainer (DDP, or one worker): rank 0 cuts the full state, the other ranks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, _own_storage, embedded_part, part_range
+
+
+def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
+    """(this rank's local rows, where they live: on the device, their first global row), or None when
+    another rank sends the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or
+    `Replicate()` on a 1-D mesh (what FSDP2's `fully_shard` makes)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return (t.detach(), 0) if rank == 0 else None
+    placements = tuple(t.placements)
+    if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
+        raise WeightMismatchError(
+            f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
+            "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
+        )
+    local = t.to_local().detach()
+    if placements[0] == Replicate():
+        return (local, 0) if rank == 0 else None
+    lo, hi = part_range(t.shape[0], t.device_mesh.get_local_rank(), t.device_mesh.size())
+    if local.shape[0] != hi - lo:
+        raise WeightMismatchError(
+            f"weight sync: {name!r}'s local shard has {local.shape[0]} rows; Shard(0) over "
+            f"{t.device_mesh.size()} ranks gives rows [{lo}, {hi})"
+        )
+    return local, lo
+
+
+def trainer_pieces(
+    state: Mapping[str, torch.Tensor],
+    rank: int,
+    tensor_parallel_size: int,
+    part: PartFn = embedded_part,
+    compact: bool = True,
+) -> list[dict[str, Piece]]:
+    """For each rollout rank, the pieces of its part (in the layout of `part`) that this trainer rank
+    holds (name -> (first row within the part, rows)); names are HF names, shapes are checked by the
+    receiver. `compact`: each piece a host tensor of its own storage (to be put in the object store),
+    else a view of the rank's rows where they live (to be packed: `tpuray.rl.collective.pack` copies it
+    to the host once). Either way a piece's bytes are copied once, never the rank's whole state first."""
+    out: list[dict[str, Piece]] = [{} for _ in range(tensor_parallel_size)]
+    for name, t in state.items():
+        held = _row_offset(name, t, rank)
+        if held is None:
+            continue
+        pieces = row_pieces(name, *held, tuple(t.shape), tensor_parallel_size, part, compact)
+        for r, piece in enumerate(pieces):
+            if piece is not None:
+                out[r][name] = piece
+    return out
+
+
+def row_pieces(
+    name: str,
+    local: torch.Tensor,
+    first_row: int,
+    full_shape: tuple[int, ...],
+    tensor_parallel_size: int,
+    part: PartFn = embedded_part,
+    compact: bool = True,
+) -> list[Piece | None]:
+    """For each rollout rank, the piece of its part of tensor `name` (of `full_shape`) within `local`,
+    the rows [first_row, first_row + len(local)) a trainer rank holds; None where they hold none of it.
+    `compact`: as `trainer_pieces`."""
+    a, b = first_row, first_row + local.shape[0]
+    out: list[Piece | None] = []
+    for r in range(tensor_parallel_size):
+        p = part(name, full_shape, r, tensor_parallel_size)
+        rows = (p[1], p[2]) if p is not None and p[0] == 0 else (0, full_shape[0])
+        lo, hi = max(rows[0], a), min(rows[1], b)
+        if lo >= hi:
+            out.append(None)
+            continue
+        piece = local[lo - a : hi - a]
+        if p is not None and p[0] == 1:
+            piece = piece[:, p[1] : p[2]]
+        out.append((lo - rows[0], _on_host(piece) if compact else piece))
+    return out
+
+
+def _on_host(piece: torch.Tensor) -> torch.Tensor:
+    """A host tensor of its own storage holding `piece` (a device tensor's piece: one copy to the host;
+    a host view: copied out of its bigger storage, which pickling would send whole)."""
+    return _own_storage(piece.cpu().contiguous())
+
+
+def model_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """HF-named state of a trainer's model: a state dict, a plain / FSDP2 module, or a DDP / FSDP1
+    wrapper (its `.module`)."""
+    if isinstance(model, Mapping):
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or a state dict, got {type(model).__name__}")
+    inner = getattr(model, "module", None)
+    return (inner if isinstance(inner, torch.nn.Module) else model).state_dict()
