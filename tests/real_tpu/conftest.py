@@ -59,3 +59,14 @@ def highest_precision():
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture(scope="module")
+def process_group(tpu, tmp_path_factory):
+    """A one-rank `tpu_dist` default process group on the chip (DDP, FSDP2, collectives)."""
+    import torch.distributed as dist
+
+    init = f"file://{tmp_path_factory.mktemp('pg') / 'store'}"
+    dist.init_process_group("tpu_dist", init_method=init, rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()

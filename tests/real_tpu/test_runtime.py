@@ -49,16 +49,6 @@ def test_announcement_loop_agrees_with_cpu(tpu, highest_precision):
     )
 
 
-@pytest.fixture(scope="module")
-def process_group(tpu, tmp_path_factory):
-    import torch.distributed as dist
-
-    init = f"file://{tmp_path_factory.mktemp('pg') / 'store'}"
-    dist.init_process_group("tpu_dist", init_method=init, rank=0, world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 def test_tpu_dist_collectives(tpu, process_group):
     dist = process_group
     assert dist.get_backend() == "tpu_dist" and dist.get_world_size() == 1

@@ -1,0 +1,67 @@
+"""A trainer rank's weight-sync pieces cut from tensors on the real chip (`tpuray.rl.pieces`, no Ray): each
+piece is copied once to the host, compact (weight_sync "object_store") or into its packed buffer
+("tpu_dist"), and equals the same cut of the same weights on the CPU; the column pieces (o_proj,
+down_proj) are strided views of the device tensor, made contiguous there before the copy. Plain tensors
+(rank 0 of a replicated trainer) and FSDP2's DTensors (`Shard(0)` on a one-device mesh)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 128,
+    "num_hidden_layers": 1,
+}
+
+
+def _cpu_state() -> dict[str, torch.Tensor]:
+    from tpuray.rl.weights import expected_shapes
+
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in expected_shapes(CONFIG).items()}
+
+
+def _check_cut(state: dict, want_state: dict, part) -> None:
+    from tpuray.rl.collective import pack, unpack
+    from tpuray.rl.pieces import trainer_pieces
+
+    for world in (1, 2, 4):
+        want = trainer_pieces(want_state, 0, world, part)
+        compact = trainer_pieces(state, 0, world, part)
+        packed = [pack(p) for p in trainer_pieces(state, 0, world, part, compact=False)]
+        for r in range(world):
+            got = unpack(*packed[r])
+            assert compact[r].keys() == got.keys() == want[r].keys()
+            for name, (start, t) in want[r].items():
+                for kind, (s, piece) in (("compact", compact[r][name]), ("packed", got[name])):
+                    assert piece.device.type == "cpu" and s == start, (kind, world, r, name)
+                    assert torch.equal(piece, t), (kind, world, r, name)
+
+
+@pytest.mark.parametrize("layout", ["embedded", "vllm"])
+def test_pieces_cut_on_the_chip_equal_the_cpu_cut(tpu, layout):
+    from tpuray.rl.vllm_layout import vllm_part
+    from tpuray.rl.weights import embedded_part
+
+    part = embedded_part if layout == "embedded" else functools.partial(vllm_part, config=CONFIG)
+    cpu = _cpu_state()
+    _check_cut({n: t.to(tpu) for n, t in cpu.items()}, cpu, part)
+
+
+def test_fsdp2_shards_on_the_chip_cut_like_the_cpu(tpu, process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tpuray.rl.weights import embedded_part
+
+    mesh = init_device_mesh("tpu", (1,))
+    cpu = _cpu_state()
+    dtensors = {n: distribute_tensor(t.to(tpu), mesh, [Shard(0)]) for n, t in cpu.items()}
+    _check_cut(dtensors, cpu, embedded_part)
