@@ -10,6 +10,7 @@ import ray
 from tpuray import SlicePlacementGroup
 from tpuray.emulator import SliceRequest
 from tpuray.slices import SliceReservationTimeout, list_slices
+from tpuray.slices.demand import DEMAND_ENV
 
 
 def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
@@ -32,7 +33,7 @@ def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
 
 
 @pytest.mark.slow
-def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check) -> None:
+def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check, monkeypatch) -> None:
     cluster = cluster_manager.get(SliceRequest("TPU-V6E", "4x4"))
     (sl,) = cluster.slices
     assert len(sl.node_ids) == 4
@@ -58,4 +59,16 @@ def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check) -> None:
         assert spg.num_hosts == 4 and spg.slice_names == [sl.name]
         table = ray.util.placement_group_table(spg.placement_group)["bundles_to_node_id"]
         assert [table[i] for i in range(4)] == sl.node_ids  # bundles ordered by worker id
+
+    # "whole" demand (Ray's v2 autoscaler, tpuray.slices.demand): the head and a companion on each other
+    # host of the slice, strictly spread, then the hosts' bundles as before
+    monkeypatch.setenv(DEMAND_ENV, "whole")
+    with SlicePlacementGroup(topology="4x4", accelerator_version="v6e", timeout_s=60) as spg:
+        (heads,) = spg.head_placement_groups
+        assert heads.bundle_specs == [{"TPU-v6e-16-head": 1.0}] + [{"memory": 1.0}] * 3
+        placed = ray.util.placement_group_table(heads)
+        assert placed["strategy"] == "STRICT_SPREAD" and placed["bundles_to_node_id"][0] == sl.node_ids[0]
+        assert sorted(placed["bundles_to_node_id"].values()) == sorted(sl.node_ids)
+        table = ray.util.placement_group_table(spg.placement_group)["bundles_to_node_id"]
+        assert spg.slice_names == [sl.name] and [table[i] for i in range(4)] == sl.node_ids
     # each of the 16 chips' environment on this slice: tests/train/test_data.py's 4x4 fit (16 workers)

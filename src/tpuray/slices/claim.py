@@ -24,9 +24,10 @@ from typing import Any
 
 from tpuray.constants import SLICE_NAME_LABEL
 from tpuray.slices import lending
+from tpuray.slices.demand import head_request, slice_demand
 from tpuray.slices.inventory import format_slices, list_slices
 from tpuray.slices.lending import Loan
-from tpuray.slices.placement import SliceReservationTimeout, head_bundles
+from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, check_positive_int, is_number
 
@@ -80,15 +81,13 @@ class SliceClaim:
             return self
         if not ray.is_initialized():
             raise RuntimeError("SliceClaim needs a Ray connection: call ray.init() first")
-        bundles, selectors, pods = [], [], []
-        for topo, count in self.shapes:
-            heads, head_selectors, _ = head_bundles(topo, count)
-            bundles += heads
-            selectors += head_selectors
-            pods += [topo.pod_type] * count
-        self._pods = pods
+        request = head_request(list(self.shapes), slice_demand())  # the heads first, in shape order
+        self._pods = [topo.pod_type for topo, count in self.shapes for _ in range(count)]
         self._pg = placement_group(
-            bundles, strategy="SPREAD", name=self.name, bundle_label_selector=selectors
+            request.bundles,
+            strategy=request.strategy,
+            name=self.name,
+            bundle_label_selector=request.selectors,
         )
         try:
             ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)

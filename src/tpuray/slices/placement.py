@@ -3,7 +3,8 @@
 Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constructor names:
 1. a head placement group `[{"TPU-<pod>-head": 1}] * num_slices` (label selector: worker id 0, pod type;
    one group for every slice, where Ray's makes one per slice, so several slices are had at once or not
-   at all) picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
+   at all; on Ray's v2 autoscaler also one companion bundle per other host, so that the pending group
+   reads as whole slices: tpuray.slices.demand) picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
    extra task); while a `SliceClaim` of the shape is open in this process, its claimed heads are
    borrowed instead (tpuray.slices.claim: several parts' slices chosen in one request);
 2. one placement group with one bundle per host (or per chip share), each bound by label selector to
@@ -23,13 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tpuray.constants import (
     PLACEMENT_STRATEGIES,
-    POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
     TPU_RESOURCE,
     WORKER_ID_LABEL,
 )
-from tpuray.emulator.autoscale import check_slices_can_come
-from tpuray.slices.inventory import SliceInfo, format_slices, list_slices
+from tpuray.slices.demand import free_slices, head_request, slice_demand
+from tpuray.slices.inventory import format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
 
@@ -40,35 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Of the slice-name resource (1 per host), what one bundle takes: room for 1000 bundles per host.
 SLICE_RESOURCE_SHARE = 0.001
-
-
-def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> list[SliceInfo]:
-    """On an autoscaling emulated cluster, a ConfigError naming the shape and the autoscaler's node types
-    when `num_slices` slices of `topo` can never be reserved (see `check_slices_can_come`); elsewhere
-    nothing is checked. Returns the slices of that pod type alive now (requires ray.init())."""
-    same = [s for s in list_slices() if s.pod_type == topo.pod_type]
-    shape = f"{topo.generation.accelerator_type} {topo.topology}"
-    check_slices_can_come(topo.pod_type, shape, num_slices, [s.name for s in same])
-    return same
-
-
-def head_bundles(
-    topo: SliceTopology, count: int
-) -> tuple[list[dict[str, float]], list[dict[str, str]], list[str]]:
-    """The bundles and label selectors that ask for the heads of `count` slices of `topo` (the worker-0
-    head resource, pod type; only slices whose chips are all free when there are enough of them), and
-    the names of those free slices."""
-    selector = {WORKER_ID_LABEL: "0", POD_TYPE_LABEL: topo.pod_type}
-    idle = free_slices(check_slices_can_be_reserved(topo, count))
-    if len(idle) >= count:
-        selector[SLICE_NAME_LABEL] = f"in({','.join(idle)})"
-    return [{topo.head_resource: 1.0} for _ in range(count)], [dict(selector) for _ in range(count)], idle
-
-
-def free_slices(slices: list[SliceInfo]) -> list[str]:
-    """The names of the slices a reservation may take whole now: every chip free, every host up, none
-    draining."""
-    return [s.name for s in slices if s.idle and s.intact and not s.draining]
 
 
 SETTLE_S = (
@@ -253,13 +224,13 @@ class SlicePlacementGroup:
             self._slice_names = list(self._loan.names)
             logger.info("slice(s) %s: heads lent by %r", self._slice_names, self._loan.lender)
             return list(self._slice_names), list(self._loan.resources)
-        bundles, selectors, idle = head_bundles(topo, self._num_slices)
+        request = head_request([(topo, self._num_slices)], slice_demand())
         # every slice's head in ONE placement group, which Ray places whole or not at all: two requests
         # for several slices never each hold some of the free ones (Ray's: one placement group per head)
         heads = placement_group(
-            bundles,
-            strategy="SPREAD",
-            bundle_label_selector=selectors,
+            request.bundles,
+            strategy=request.strategy,
+            bundle_label_selector=request.selectors,
             name=f"{self._name}-heads" if self._name else "",
             lifetime=self._lifetime,
         )
@@ -277,7 +248,7 @@ class SlicePlacementGroup:
         head_nodes = [placed[i] for i in range(self._num_slices)]
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in head_nodes]
-        return idle, [nodes[n].get("Resources") or {} for n in head_nodes]
+        return request.idle, [nodes[n].get("Resources") or {} for n in head_nodes]
 
     def _host_bundles(
         self, head_resources: list[dict[str, float]]

@@ -331,7 +331,7 @@ def _check_slice_can_come(config: LLMConfig) -> None:
     if config.topology is None or not ray.is_initialized():
         return
     from tpuray.emulator.autoscale import published_node_types
-    from tpuray.slices.placement import check_slices_can_be_reserved
+    from tpuray.slices.demand import check_slices_can_be_reserved
 
     if published_node_types() is not None:  # one KV read; lists the slices only on such a cluster
         check_slices_can_be_reserved(config.topology)
