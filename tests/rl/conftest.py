@@ -23,6 +23,25 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory) -> tuple[str, str]:
+    """Two models vLLM's CPU attention can run (head_dim 32), same shapes, different weights; one KV head
+    (so under TP=4 every vLLM rank holds a copy of it: tpuray.rl.vllm_layout)."""
+    from tpuray.models import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rl-vllm-models")
+    kw = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+    }
+    return (
+        str(build_tiny_causal_lm(root / "a", seed=0, **kw)),
+        str(build_tiny_causal_lm(root / "b", seed=1, **kw)),
+    )
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_models) -> dict[str, list[list[int]]]:
     from _rl_util import greedy
 

@@ -22,25 +22,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def vllm_models(tmp_path_factory) -> tuple[str, str]:
-    """Two models vLLM's CPU attention can run (head_dim 32), same shapes, different weights; one KV head
-    (so under TP=4 every vLLM rank holds a copy of it: tpuray.rl.vllm_layout)."""
-    from tpuray.models import build_tiny_causal_lm
-
-    root = tmp_path_factory.mktemp("rl-vllm-models")
-    kw = {
-        "hidden_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 256,
-    }
-    return (
-        str(build_tiny_causal_lm(root / "a", seed=0, **kw)),
-        str(build_tiny_causal_lm(root / "b", seed=1, **kw)),
-    )
-
-
 def test_engine_choice(vllm_models, tiny_models, caplog):
     from tpuray.rl import RolloutConfig
     from tpuray.validation import ConfigError
@@ -68,8 +49,15 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     trainer = ScalingConfig(num_workers=4, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E")
     assert RLConfig(on_vllm, trainer).weight_sync == "tpu_dist"
     RLConfig(on_vllm, trainer, weight_sync="object_store")
-    with pytest.raises(ConfigError, match=r"colocated' with RolloutConfig.engine='auto' \(runs vLLM\).*CPU"):
-        RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")  # no sleep
+    colocated = RLConfig(
+        RolloutConfig(vllm_models[0]),
+        ScalingConfig(**SCALING),
+        placement="colocated",
+        weight_sync="object_store",
+    )  # vLLM in the trainer's workers (test_vllm_colocated.py)
+    assert colocated.rollout.resolved_engine == "vllm" and colocated.rollout_tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"weight_sync='tpu_dist' is invalid with placement='colocated'"):
+        RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")
 
 
 CHILD = """

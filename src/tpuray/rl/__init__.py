@@ -11,7 +11,7 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
   Transports (`RLConfig.weight_sync`): "tpu_dist" (`collective`: a process group spanning both sides'
   workers, the data point to point) or "object_store" (ObjectRefs through the driver; colocated's one).
 - `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated, or
-  colocated: the engine inside the trainer's workers, `colocate`),
+  colocated: the engine inside the trainer's workers, `colocate`, or vLLM there, `vllm_colocated`),
   joined by a batch -> train -> sync loop, optionally overlapped (off-policy by one step).
 """
 

@@ -8,7 +8,8 @@ embedded engine: the driver reaches it through Ray's `__ray_call__` (a `RolloutW
 process), and the engine's collectives use the trainer's process group. The phases take turns: the
 engine generates while every trainer rank waits in `rl.batch(k)` (so no trainer collective runs),
 then `sleep()`s (its weights go to host memory and its KV cache is freed) while the trainer trains,
-takes the new weights into its host copy and `wake_up()`s for the next batch.
+takes the new weights into its host copy and `wake_up()`s for the next batch. A vLLM engine colocated
+the same way: `tpuray.rl.vllm_colocated` (its ranks are these workers too, through a HostedGroup).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class HostedGroup:
     `EmbeddedEngine` calls on a `SliceWorkerGroup`. It does not own the actors: `shutdown` unloads the
     engine from them; the trainer run stops them and releases the slice."""
 
+    host_call = staticmethod(_on_host)  # what each call runs in a trainer worker (module-level: pickled)
+
     def __init__(self, actors: Sequence[Any]) -> None:
         self._actors = list(actors)
 
@@ -62,13 +65,13 @@ class HostedGroup:
         return len(self._actors)
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        return [a.__ray_call__.remote(_on_host, method, *args) for a in self._actors]
+        return [a.__ray_call__.remote(self.host_call, method, *args) for a in self._actors]
 
     def call_each(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
         if len(args_per_rank) != len(self._actors):
             raise ValueError(f"args_per_rank has {len(args_per_rank)} entries for {len(self._actors)} ranks")
         return [
-            a.__ray_call__.remote(_on_host, method, *args)
+            a.__ray_call__.remote(self.host_call, method, *args)
             for a, args in zip(self._actors, args_per_rank, strict=True)
         ]
 
@@ -93,7 +96,7 @@ class HostedGroup:
 
         actors, self._actors = self._actors, []
         if actors and ray.is_initialized():
-            refs = [a.__ray_call__.remote(_on_host, "unload") for a in actors]
+            refs = [a.__ray_call__.remote(self.host_call, "unload") for a in actors]
             ray.wait(refs, num_returns=len(refs), timeout=UNLOAD_TIMEOUT_S if graceful else 0)
 
     def __repr__(self) -> str:

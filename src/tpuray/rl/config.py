@@ -96,9 +96,13 @@ class RolloutConfig:
             **slice_kwargs,
         )
         if self.llm_config.engine == "vLLM":  # "auto": vLLM only where it can run this model (logged)
-            path = Path(model_source.resolve(self.model_source))
-            self.llm_config.choose_engine_for_model(json.loads((path / "config.json").read_text()))
+            self.llm_config.choose_engine_for_model(self.model_config())
         self.resolved_engine = "vllm" if self.llm_config.engine == "vLLM" else "embedded"
+
+    def model_config(self) -> dict[str, Any]:
+        """The model's config.json (Hugging Face), read from `model_source` resolved here."""
+        path = Path(model_source.resolve(self.model_source))
+        return json.loads((path / "config.json").read_text())
 
     @property
     def on_slice(self) -> bool:

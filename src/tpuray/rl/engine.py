@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -112,7 +111,7 @@ class RolloutEngine:
             raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
         self.config = config
         path = Path(model_source.resolve(config.model_source))
-        self.model_config: dict[str, Any] = json.loads((path / "config.json").read_text())
+        self.model_config: dict[str, Any] = config.model_config()
         self._lock = threading.Lock()
         self._loop = asyncio.Runner()
         self._asleep = False

@@ -26,7 +26,7 @@ class RLConfig:
     placement: Placement = "disaggregated"
     """"disaggregated": trainer and rollout engine each on slices of their own (`trainer`'s and
     `rollout`'s), reserved for the whole run; the phases can overlap.
-    "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded, tensor parallel
+    "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded or vLLM, tensor parallel
     over the trainer's ranks) runs inside the trainer's worker processes and the phases take turns on
     the same chips: generate, engine `sleep()` (its memory freed), train, weight sync into the sleeping
     engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.colocate`, docs/rl.md)."""
@@ -116,13 +116,6 @@ class RLConfig:
                 "RLConfig.overlap=True is invalid with placement='colocated' (the engine and the trainer "
                 "take turns on the same chips: nothing can overlap); valid: overlap=False, or "
                 "placement='disaggregated'"
-            )
-        if rollout.resolved_engine != "embedded":
-            raise ConfigError(
-                f"RLConfig.placement='colocated' with RolloutConfig.engine={rollout.engine!r} (runs vLLM): "
-                "the engine must sleep while the trainer trains, and vLLM's sleep mode is unavailable on "
-                "vLLM's CPU platform (its CPU build and emulated TPU slices), besides running in worker "
-                "processes of its own; valid: engine='embedded'"
             )
         if rollout.on_slice:
             raise ConfigError(

@@ -152,8 +152,7 @@ class RLRun:
         """The model config a vLLM engine's layout is cut by (None: the embedded engine's layout)."""
         if self.config.rollout.resolved_engine != "vllm":
             return None
-        assert self._engine is not None  # disaggregated: colocated refuses vLLM
-        return self._engine.model_config
+        return self.config.rollout.model_config()
 
     def _shutdown_engine(self) -> None:
         engine, self._engine = self._engine, None
@@ -210,13 +209,15 @@ class RLRun:
     def _hosted_engine(self, attempt: int, hosts: list[Any]) -> RolloutEngine:
         """Colocated: the engine in trainer attempt `attempt`'s workers `hosts`, awake."""
         from tpuray.rl.colocate import ColocatedRolloutEngine
+        from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
 
         if self._engine is not None and self._engine_attempt != attempt:
             self._shutdown_engine()  # its workers were an earlier attempt's
         if self._engine is not None:
             self._engine.wake_up()
             return self._engine
-        self._engine = ColocatedRolloutEngine(self.config.rollout, hosts)
+        vllm = self.config.rollout.resolved_engine == "vllm"
+        self._engine = (ColocatedVLLMEngine if vllm else ColocatedRolloutEngine)(self.config.rollout, hosts)
         self._engine_attempt, self._engine_hosts = attempt, hosts
         if self._last_update is not None:  # its objects are the mailbox's: they outlive a lost attempt
             try:

@@ -88,6 +88,18 @@ def vllm_params(params: SamplingParams, index: int) -> Any:
     return vllm.SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
+def stage_refusal(staged: list[Any], version: int) -> Exception | None:
+    """What the vLLM ranks' stage results say (tpuray.rl.vllm_worker): None when every rank staged; else
+    the UpdateLostError of pieces lost with their sender, or the WeightMismatchError a rank returned."""
+    refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
+    lost = [r[1] for r in staged if isinstance(r, list | tuple) and r and r[0] == LOST]
+    if lost:
+        return lost_update(version, lost[0])
+    if refused:
+        return WeightMismatchError(refused[0])
+    return None
+
+
 class VLLMGeneration(PromptEncoder):
     """`GenerationEngine` over vLLM's AsyncLLM (one final output per sequence)."""
 
@@ -243,13 +255,10 @@ class VLLMRolloutEngine(RolloutEngine):
         except Exception:
             await client.collective_rpc("tpuray_discard_weights")
             raise
-        refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
-        lost = [r[1] for r in staged if isinstance(r, list | tuple) and r and r[0] == LOST]
-        if refused or lost:
+        refusal = stage_refusal(staged, self.version)
+        if refusal is not None:
             await client.collective_rpc("tpuray_discard_weights")
-            if lost:
-                raise lost_update(self.version, lost[0])
-            raise WeightMismatchError(refused[0])
+            raise refusal
         written = int(sum(await client.collective_rpc("tpuray_commit_weights")))
         await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
         return written

@@ -64,6 +64,7 @@ class WeightsExtension:
     reload_weights: Any  # vLLM Worker.reload_weights
     _tpuray_staged: dict[str, torch.Tensor] | None = None  # a mixin: vLLM never calls our __init__
     _tpuray_parts: SparseParts | None = None  # this rank's parts of a TrainerUpdate
+    _tpuray_emptied: list[tuple[Any, int]] = []  # (KV cache storage, its bytes) while emptied; reassigned
 
     def _tpuray_config(self) -> dict[str, Any]:
         return json.loads((Path(self.model_config.model) / "config.json").read_text())
@@ -74,6 +75,21 @@ class WeightsExtension:
         the bytes staged, or (as tpuray_stage_weights) the message naming the first missing, unknown or
         misshapen tensor, or [LOST, why] where the pieces could not be had (their sender died); nothing
         is staged then."""
+        import ray
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "tpuray_stage_pieces runs in vLLM workers of its Ray executor (a rollout engine on a TPU "
+                "slice); this worker is not connected to Ray"
+            )
+        rank = get_tensor_model_parallel_rank()
+        refs, channel = ray.get(ray.get_actor(holder, namespace=namespace).get.remote(rank))
+        return self.tpuray_stage_refs(refs, channel)
+
+    def tpuray_stage_refs(self, refs: list[Any], channel: Any) -> int | str | list[str]:
+        """`tpuray_stage_pieces` with this rank's ObjectRefs (or tpu_dist offers and their channel) given:
+        called in process where vLLM runs in the caller's process (colocated: tpuray.rl.vllm_colocated)."""
         import functools
 
         import ray
@@ -84,13 +100,7 @@ class WeightsExtension:
         from tpuray.rl.weights import join_pieces
 
         self._tpuray_parts = None
-        if not ray.is_initialized():
-            raise RuntimeError(
-                "tpuray_stage_pieces runs in vLLM workers of its Ray executor (a rollout engine on a TPU "
-                "slice); this worker is not connected to Ray"
-            )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        refs, channel = ray.get(ray.get_actor(holder, namespace=namespace).get.remote(rank))
         try:  # from the object store, or over the tpu_dist group
             pieces = resolve_pieces(refs, channel, rank)
         except (ray.exceptions.ObjectLostError, TransferError) as e:
@@ -135,3 +145,21 @@ class WeightsExtension:
 
     def tpuray_discard_weights(self) -> None:
         self._tpuray_staged = self._tpuray_parts = None
+
+    def tpuray_empty_kv_cache(self) -> int:
+        """Free this rank's KV cache memory (vLLM's CPU backend, which has no sleep mode): each cache
+        tensor keeps its object and shape, its storage is emptied. Returns the bytes freed (0 if empty)."""
+        if self._tpuray_emptied:
+            return 0
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.model_runner.kv_caches}
+        self._tpuray_emptied = [(s, s.nbytes()) for s in storages.values()]
+        for s, _ in self._tpuray_emptied:
+            s.resize_(0)
+        return sum(n for _, n in self._tpuray_emptied)
+
+    def tpuray_refill_kv_cache(self) -> int:
+        """Retake the memory `tpuray_empty_kv_cache` freed (contents undefined: reset the prefix cache)."""
+        emptied, self._tpuray_emptied = self._tpuray_emptied, []
+        for s, nbytes in emptied:
+            s.resize_(nbytes)
+        return sum(n for _, n in emptied)

@@ -1,0 +1,83 @@
+"""Colocated vLLM (tpuray.rl.vllm_colocated): an RLRun whose rollout engine is real vLLM (its CPU build)
+running inside the trainer's own worker processes on one emulated slice, vLLM's tensor parallelism over
+the trainer's ranks (vLLM's external launcher on the trainer's process group)."""
+
+from __future__ import annotations
+
+import _rl_loops
+import pytest
+import ray.cloudpickle
+import torch
+from _rl_util import GREEDY, PROMPTS, SCALING
+
+from tpuray.serve.llm.engine.vllm import vllm_available
+
+ray.cloudpickle.register_pickle_by_value(_rl_loops)  # the train loop goes to the workers by value
+pytestmark = pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"
+)
+
+
+def _hf_greedy(path: str, tokenizer) -> list[list[int]]:
+    """Greedy tokens of the model at `path` computed with Hugging Face transformers (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        new: list[int] = []
+        with torch.no_grad():
+            for _ in range(GREEDY.max_tokens):
+                logits = model(torch.tensor([ids + new])).logits[0, -1]
+                new.append(int(logits.argmax()))
+        out.append(new)
+    return out
+
+
+@pytest.mark.full(
+    "CI: the colocated RLRun with the embedded engine (rl/test_placement.py), vLLM as a disaggregated "
+    "rollout engine (full tier: rl/test_vllm_rollout.py), vLLM's weight layout (rl/test_vllm_parts.py)"
+)
+def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
+    """vLLM TP=2 in the two workers of an FSDP2 trainer on one v6e 2x2: batch 0 with model a's weights,
+    then the trainer's updates (model b, each rank's Shard(0) rows cut in vLLM's layout) loaded into
+    each vLLM rank in its own process; the tokens are those of Hugging Face's greedy decoding of a, then
+    of b. vLLM's CPU backend has no sleep mode, so each rank frees its KV cache's memory between
+    rollouts: freed > 0 every iteration. Nothing is left."""
+    import _rl_loops
+    from transformers import AutoTokenizer
+
+    from _util import alive_actors
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig
+    from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
+    from tpuray.train import RunConfig, ScalingConfig
+
+    a, b = vllm_models
+    want = {
+        name: _hf_greedy(path, AutoTokenizer.from_pretrained(path))
+        for name, path in zip("ab", vllm_models, strict=True)
+    }
+    assert want["a"] != want["b"]
+    engines: list = []
+
+    def rollout_fn(engine, k: int) -> list:
+        assert isinstance(engine, ColocatedVLLMEngine) and not engine.asleep
+        assert engine.tensor_parallel_size == 2
+        engines.append(engine)
+        return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+    rollout = RolloutConfig(a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
+    rl = RLRun(
+        RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        _rl_loops.rl_loop,
+        train_loop_config={"path": b, "strategy": "fsdp2"},
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="colocated-vllm"),
+    )
+    result = rl.run(2, rollout_fn)
+    assert result.versions == [1, 2]
+    assert result.batches == [want["a"], want["b"]]  # update 1 (b) loaded in place, on-policy
+    assert len({id(e) for e in engines}) == 1  # one engine, woken up for each batch
+    assert all(t.freed > 0 for t in result.times) and [t.senders for t in result.times] == [2, 2]
+    assert not alive_actors("TrainWorker")
+    pg_leak_check()
