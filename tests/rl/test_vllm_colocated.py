@@ -81,3 +81,60 @@ def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_c
     assert all(t.freed > 0 for t in result.times) and [t.senders for t in result.times] == [2, 2]
     assert not alive_actors("TrainWorker")
     pg_leak_check()
+
+
+@pytest.mark.full(
+    "CI: a killed trainer worker of a colocated run with the embedded engine (rl/test_placement.py)"
+)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_dead_trainer_worker_with_colocated_vllm(
+    emulated_cluster, pg_leak_check, vllm_models, tmp_path, restarts
+):
+    """A trainer worker (vLLM's rank 1) killed while batch 1 is due, once checkpoint 0 is committed: rank
+    0's tensor-parallel collective fails with its peer's connection (no hang), the engine raises
+    RolloutEngineError. Without trainer restarts the run ends with RLRunError; with one, the trainer
+    resumes from checkpoint 0 (at iteration 1) and a new vLLM engine starts in the new workers with
+    update 1, generates batch 1 again and the run completes. No worker or placement group is left."""
+    import json
+    import time
+
+    from _rl_util import kill
+
+    from _util import alive_actors
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig
+    from tpuray.rl.run import RLRunError
+    from tpuray.train import FailureConfig, RunConfig, ScalingConfig
+    from tpuray.train.checkpoint import join, read_text
+
+    calls: list = []
+
+    def rollout_fn(engine, k: int) -> list:
+        calls.append((k, tuple(engine.group.actors)))
+        if k == 1 and len(calls) == 2:
+            state = join(f"file://{tmp_path}", "colocated-vllm", "run_state.json")
+            while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
+                time.sleep(0.2)
+            kill(engine.group.actors[1])
+        return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+    rollout = RolloutConfig(vllm_models[0], engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
+    rl = RLRun(
+        RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        _rl_loops.restart_loop,
+        train_loop_config={"path": vllm_models[1], "kill_at": -1, "strategy": "fsdp2"},
+        run_config=RunConfig(
+            storage_path=f"file://{tmp_path}",
+            name="colocated-vllm",
+            failure_config=FailureConfig(max_failures=restarts),
+        ),
+    )
+    if restarts:
+        result = rl.run(3, rollout_fn)
+        assert [k for k, _ in calls] == [0, 1, 1, 2] and calls[1][1] != calls[2][1]  # new workers
+        assert result.versions == [1, 2, 3]
+        assert result.batches[0] != result.batches[1] == result.batches[2]  # a's, then b's twice
+    else:
+        with pytest.raises(RLRunError, match=r"the rollout side .*RolloutEngineError.*a rollout worker"):
+            rl.run(3, rollout_fn)
+    assert not alive_actors("TrainWorker")
+    pg_leak_check()
