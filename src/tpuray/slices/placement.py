@@ -4,9 +4,10 @@ Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constr
 1. a head placement group `[{"TPU-<pod>-head": 1}] * num_slices` (label selector: worker id 0, pod type;
    one group for every slice, where Ray's makes one per slice, so several slices are had at once or not
    at all; on Ray's v2 autoscaler also one companion bundle per other host, so that the pending group
-   reads as whole slices: tpuray.slices.demand) picks free slices; the slice name is read from the node the head bundle landed on (node labels, no
-   extra task); while a `SliceClaim` of the shape is open in this process, its claimed heads are
-   borrowed instead (tpuray.slices.claim: several parts' slices chosen in one request);
+   reads as whole slices: tpuray.slices.demand) picks free slices; the slice name is read from the node
+   the head bundle landed on (node labels, no extra task); while a `SliceClaim` of the shape is open in
+   this process, its claimed heads are borrowed instead (tpuray.slices.claim: several parts' slices
+   chosen in one request);
 2. one placement group with one bundle per host (or per chip share), each bound by label selector to
    `{ray.io/tpu-slice-name: <slice>, ray.io/tpu-worker-id: <worker>}`, ordered slice-major by worker id,
    each also asking for a sliver of the slice's own resource (`<slice>`, which Ray gives its hosts), so
