@@ -40,16 +40,17 @@ def _hf_greedy(path: str, tokenizer) -> list[list[int]]:
     "rollout engine (full tier: rl/test_vllm_rollout.py), vLLM's weight layout (rl/test_vllm_parts.py)"
 )
 def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
-    """vLLM TP=2 in the two workers of an FSDP2 trainer on one v6e 2x2: batch 0 with model a's weights,
+    """vLLM TP=2 in the two workers of an FSDP2 trainer on one v6e 2x2: before batch 0, a full state dict
+    (b's, then a misshapen one refused with b's kept, then a's again); batch 0 with model a's weights,
     then the trainer's updates (model b, each rank's Shard(0) rows cut in vLLM's layout) loaded into
     each vLLM rank in its own process; the tokens are those of Hugging Face's greedy decoding of a, then
     of b. vLLM's CPU backend has no sleep mode, so each rank frees its KV cache's memory between
     rollouts: freed > 0 every iteration. Nothing is left."""
-    import _rl_loops
+    from _rl_util import state_dict
     from transformers import AutoTokenizer
 
     from _util import alive_actors
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
     from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
     from tpuray.train import RunConfig, ScalingConfig
 
@@ -61,11 +62,22 @@ def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_c
     assert want["a"] != want["b"]
     engines: list = []
 
+    def greedy(engine) -> list:
+        return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
     def rollout_fn(engine, k: int) -> list:
         assert isinstance(engine, ColocatedVLLMEngine) and not engine.asleep
         assert engine.tensor_parallel_size == 2
         engines.append(engine)
-        return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        if k == 0:  # a full state dict: put once, every rank stages all of it; a misshapen one refused
+            engine.update_weights(state_dict(b))
+            assert greedy(engine) == want["b"]
+            bad = {**state_dict(a), "model.norm.weight": torch.zeros(3)}
+            with pytest.raises(WeightMismatchError, match="model.norm.weight"):
+                engine.update_weights(bad)
+            assert greedy(engine) == want["b"]  # old weights kept
+            engine.update_weights(state_dict(a))
+        return greedy(engine)
 
     rollout = RolloutConfig(a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
     rl = RLRun(

@@ -39,7 +39,20 @@ def _pending_gang(emulated_cluster, head_resource: str, timeout_s: float = 20.0)
     raise AssertionError(f"no pending gang request for {head_resource} within {timeout_s}s")
 
 
-@pytest.mark.parametrize(("demand", "hosts", "replicas"), [("whole", 4, 1), ("head", 0, 0)])
+@pytest.mark.parametrize(
+    ("demand", "hosts", "replicas"),
+    [
+        ("whole", 4, 1),
+        pytest.param(
+            "head",
+            0,
+            0,
+            marks=pytest.mark.full(
+                "CI: the same gap of the head demand, on a synthetic request (k8s/test_k8s_autoscale.py)"
+            ),
+        ),
+    ],
+)
 def test_a_pending_4x4_reservation_becomes_one_kuberay_slice(
     emulated_cluster, pg_leak_check, monkeypatch, demand, hosts, replicas
 ) -> None:

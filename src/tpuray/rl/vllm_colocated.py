@@ -7,8 +7,8 @@ A chip is opened by one process, so vLLM cannot start workers of its own on the 
 vLLM makes its tensor-parallel group; the driver reaches each rank through Ray's `__ray_call__`
 (`colocate.HostedGroup`). Every rank runs the same `generate` over the same prompts (vLLM's external
 launcher needs identical, seeded requests on all ranks) and rank 0's outputs are returned. Updates: each
-rank takes its own pieces of a `TrainerUpdate` (object store) through tpuray's vLLM worker extension,
-called in process, then all commit (vLLM's `reload_weights`).
+rank takes its own pieces of a `TrainerUpdate` (object store), or all of a full state dict put once,
+through tpuray's vLLM worker extension, called in process; then all commit (vLLM's `reload_weights`).
 
 sleep / wake_up: vLLM's own sleep mode where the platform has one; on vLLM's CPU backend (its CPU build
 and emulated TPU slices), which has none, each rank frees its KV cache's memory itself (the cache
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpuray.rl.colocate import ColocatedRolloutEngine, HostedGroup
@@ -29,7 +29,7 @@ from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
-from tpuray.rl.vllm_worker import EXTENSION
+from tpuray.rl.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.weights import WeightMismatchError
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
@@ -94,6 +94,10 @@ class HostedVLLM:
 
     def stage_pieces(self, refs: list[Any], channel: Any) -> int | str | list[str]:
         (staged,) = self.llm.collective_rpc("tpuray_stage_refs", args=(refs, channel))
+        return staged
+
+    def stage_weights(self, packed: dict[str, Any]) -> int | str:
+        (staged,) = self.llm.collective_rpc("tpuray_stage_weights", args=(packed,))
         return staged
 
     def commit_weights(self) -> int:
@@ -208,15 +212,20 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
         return [Rollout(list(p), *out) for p, out in zip(ids, results[0], strict=True)]
 
     def _update_workers(self, update: Any) -> int:
+        """An RLRun's TrainerUpdate (object store: each rank pulls its own pieces) or a full state dict
+        (checked on the driver already; put once, every rank stages all of it), then every rank commits."""
         import ray
 
-        if not isinstance(update, TrainerUpdate) or update.channel is not None:
-            raise WeightMismatchError(
-                f"colocated vLLM takes an RLRun's TrainerUpdate over weight_sync='object_store', got "
-                f"{type(update).__name__}"
-            )
         group = self._engine.group
-        staged = ray.get(group.call_each("stage_pieces", [(list(r), None) for r in update.refs]))
+        if isinstance(update, TrainerUpdate) and update.channel is None:
+            staged = ray.get(group.call_each("stage_pieces", [(list(r), None) for r in update.refs]))
+        elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
+            staged = ray.get(group.call("stage_weights", ray.put(pack_state(update))))
+        else:
+            raise WeightMismatchError(
+                "colocated vLLM takes a state dict (name -> torch.Tensor) or an RLRun's TrainerUpdate over "
+                f"weight_sync='object_store', got {type(update).__name__}"
+            )
         refusal = stage_refusal(staged, self.version)
         if refusal is not None:
             ray.get(group.call("discard_weights"))
