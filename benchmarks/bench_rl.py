@@ -21,8 +21,13 @@ each taking only its part, cut in vLLM's layout: pulled, or received over the gr
 the same raw transfer of the bytes its four ranks receive. `--only sync` stops there; `--only transports`
 runs that table alone, for the `--weight-sync` and `--engine` values given (all by default).
 
+Colocated engines (`--only colocated`, not part of `all`): a colocated RLRun per `--engine` (the engine
+TP=2 inside the FSDP2 trainer's 2 workers on one slice: embedded, and vLLM through its external launcher),
+the trainer sending the same weights every iteration; the medians of rollout (wake-up, generate, sleep),
+sync and iteration seconds and the bytes sleep freed, side by side, and the vLLM / embedded ratio.
+
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
-                                            [--only all|sync|transports]
+                                            [--only all|sync|transports|colocated]
                                             [--weight-sync object_store tpu_dist] [--engine embedded vllm]
 """
 
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -274,6 +280,56 @@ def _sync_run(path: Path, transport: str, rounds: int, engine: str) -> tuple[flo
     return seconds, last.sync_bytes, last.senders, rollout.tensor_parallel_size
 
 
+def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, float, int]]:
+    """For each engine (embedded; vLLM where installed): medians over the steady iterations of a colocated
+    RLRun (an FSDP2 trainer on the 2 workers x 2 chips of one emulated v6e 2x2 sends the same weights
+    every iteration; the engine, TP=2, runs in those workers): (rollout seconds: wake-up, generating 8
+    sequences of 16 tokens and sleep; sync seconds; iteration seconds; bytes sleep freed)."""
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, grpo
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.engine.vllm import vllm_available
+    from tpuray.train import RunConfig
+
+    def rollout_fn(engine: Any, k: int) -> int:
+        engine.generate(
+            ["1 + 2 ="] * 8, SamplingParams(max_tokens=16, temperature=1.0, seed=k, ignore_eos=True)
+        )
+        return k
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
+        path = str(_model(args, Path(root)))
+        _, trainer = grpo.two_slices(path, max_num_seqs=8)
+        for engine in [e for e in args.engine if e != "vllm" or vllm_available()]:
+            rollout = RolloutConfig(path, engine=engine, max_model_len=64, max_num_seqs=8, dtype="float32")
+            with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
+                result = RLRun(
+                    RLConfig(rollout, trainer, placement="colocated", weight_sync="object_store"),
+                    _send_loop,
+                    train_loop_config={"path": path},
+                    run_config=RunConfig(storage_path=f"file://{storage}", name=f"colocated-{engine}"),
+                ).run(args.rounds + 1, rollout_fn)
+            steady = result.times[1:]  # the first iteration pays the engine's start
+            out[engine] = (
+                statistics.median(t.rollout for t in steady),
+                statistics.median(t.sync for t in steady),
+                statistics.median(t.total for t in steady),
+                int(statistics.median(t.freed for t in steady)),
+            )
+    return out
+
+
+def print_colocated(results: dict[str, tuple[float, float, float, int]], rounds: int) -> None:
+    print(f"\ncolocated RLRun per engine (TP=2 in the trainer's 2 workers), median of {rounds} iterations")
+    print("| engine | rollout (wake, generate 8x16, sleep) s | sync s | iteration s | freed by sleep MB |")
+    print("|---|---|---|---|---|")
+    for engine, (rollout, sync, total, freed) in results.items():
+        print(f"| {engine} | {rollout:.3f} | {sync:.3f} | {total:.3f} | {freed / 1e6:.1f} |")
+    if {"embedded", "vllm"} <= results.keys():
+        ratio = results["vllm"][2] / results["embedded"][2]
+        print(f"vLLM / embedded colocated iteration: {ratio:.2f}x")
+
+
 def bench_iterations(iterations: int, *extra: str) -> list:
     from tpuray.rl import grpo
 
@@ -340,9 +396,10 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument(
         "--only",
-        choices=("all", "sync", "transports"),
+        choices=("all", "sync", "transports", "colocated"),
         default="all",
-        help="sync: the weight-sync tables only (no GRPO runs); transports: the RLRun transports table only",
+        help="sync: the weight-sync tables only (no GRPO runs); transports: the RLRun transports table only; "
+        "colocated: the colocated RLRun per engine only",
     )
     ap.add_argument(
         "--weight-sync",
@@ -356,7 +413,7 @@ def main() -> int:
         nargs="+",
         choices=("embedded", "vllm"),
         default=["embedded", "vllm"],
-        help="transports table: into these rollout engines (default: both; vllm where it is installed)",
+        help="transports and colocated tables: these rollout engines (default: both; vllm where installed)",
     )
     args = ap.parse_args()
 
@@ -369,6 +426,9 @@ def main() -> int:
     try:
         if args.only == "transports":
             print_transports(bench_transports(args), args.rounds)
+            return 0
+        if args.only == "colocated":
+            print_colocated(bench_colocated(args), args.rounds)
             return 0
         sync, sharded, raw, nbytes = bench_sync(args)
         transports = bench_transports(args)
