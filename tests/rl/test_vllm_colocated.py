@@ -52,6 +52,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_c
     from _util import alive_actors
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
     from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
     from tpuray.train import RunConfig, ScalingConfig
 
     a, b = vllm_models
@@ -77,6 +78,9 @@ def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_c
                 engine.update_weights(bad)
             assert greedy(engine) == want["b"]  # old weights kept
             engine.update_weights(state_dict(a))
+            for seed in (None, 7):  # sampled on every rank: the ranks' tokens agree (checked by the engine)
+                sampled = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=seed))
+                assert all(len(r.token_ids) == len(r.logprobs) > 0 for r in sampled)
         return greedy(engine)
 
     rollout = RolloutConfig(a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")

@@ -74,8 +74,8 @@ class HostedVLLM:
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "max_model_len": self.llm.llm_engine.model_config.max_model_len}
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated] | None:
-        """Every rank generates the same batch (vLLM's external launcher); rank 0 returns it."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]:
+        """Every rank generates the same batch (vLLM's external launcher) and returns what it sampled."""
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate(
@@ -83,8 +83,6 @@ class HostedVLLM:
             [vllm_params(p, i) for i, p in enumerate(params)],
             use_tqdm=False,
         )
-        if self.rank != 0:
-            return None
         done: list[Generated] = []
         for out in outputs:
             seq = out.outputs[0]
@@ -209,6 +207,13 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
         import ray
 
         results = ray.get(self._engine.group.call("generate", ids, params))  # the lock is held: one call
+        tokens = [[out[0] for out in rank] for rank in results]
+        if any(t != tokens[0] for t in tokens[1:]):  # each rank samples; their generators must agree
+            raise RuntimeError(
+                "colocated vLLM's tensor-parallel ranks sampled different tokens for the same batch; their "
+                "KV caches no longer agree. Shut the engine down; a seeded SamplingParams(seed=...) keeps "
+                "the ranks' sampling identical"
+            )
         return [Rollout(list(p), *out) for p, out in zip(ids, results[0], strict=True)]
 
     def _update_workers(self, update: Any) -> int:
