@@ -9,8 +9,9 @@ import ray
 
 from tpuray import SlicePlacementGroup
 from tpuray.emulator import SliceRequest
-from tpuray.slices import SliceReservationTimeout, list_slices
+from tpuray.slices import SliceClaim, SliceReservationTimeout, list_slices
 from tpuray.slices.demand import DEMAND_ENV
+from tpuray.topology import SliceTopology
 
 
 def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
@@ -71,4 +72,13 @@ def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check, monkeypatch) -> None
         assert sorted(placed["bundles_to_node_id"].values()) == sorted(sl.node_ids)
         table = ray.util.placement_group_table(spg.placement_group)["bundles_to_node_id"]
         assert spg.slice_names == [sl.name] and [table[i] for i in range(4)] == sl.node_ids
+    # a SliceClaim asks the same way (its heads first, then the companions); a reservation borrows the
+    # claimed head, and once it holds the slice the claim lets go of its placement group
+    claim = SliceClaim([(SliceTopology.parse("TPU-V6E", "4x4"), 1)], timeout_s=60).open()
+    try:
+        assert claim.slice_names == [sl.name]
+        with SlicePlacementGroup(topology="4x4", accelerator_version="v6e", timeout_s=60) as spg:
+            assert spg.head_placement_groups == [] and spg.slice_names == [sl.name] and not claim.is_open
+    finally:
+        claim.close()
     # each of the 16 chips' environment on this slice: tests/train/test_data.py's 4x4 fit (16 workers)
