@@ -59,6 +59,13 @@ def lost_update(version: int, why: str) -> UpdateLostError:
     )
 
 
+def is_state_dict(update: Any) -> bool:
+    """Whether an update is a state dict of tensors here (name -> tensor), not of ObjectRefs."""
+    import ray
+
+    return isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values())
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One generated sequence: the prompt's and the completion's token ids, the log-probability of each
@@ -258,7 +265,7 @@ class RolloutEngine:
                     "a TrainerUpdate over weight_sync='tpu_dist' needs the engine's workers on a slice "
                     "(RolloutConfig accelerator_type and topology); valid here: weight_sync='object_store'"
                 )
-        elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
+        elif is_state_dict(update):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
         with self._lock:
             if self._local is not None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tpuray.rl.colocate import ColocatedRolloutEngine, HostedGroup
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout
+from tpuray.rl.engine import Rollout, is_state_dict
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
@@ -35,7 +35,7 @@ from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
-from tpuray.serve.llm.engine.vllm.engine import DEFAULT_CPU_KVCACHE_GIB
+from tpuray.serve.llm.engine.vllm.engine import default_cpu_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,7 @@ class HostedVLLM:
         from vllm.platforms import current_platform
 
         self.own_sleep = not current_platform.is_sleep_mode_available()
-        if self.own_sleep and "gpu_memory_utilization" not in engine_args:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        default_cpu_kv_cache(engine_args)
         kwargs = {**engine_args, "tensor_parallel_size": world, "enable_sleep_mode": not self.own_sleep}
         if current_platform.is_cpu():
             kwargs.setdefault("enforce_eager", True)
@@ -224,7 +223,7 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
         group = self._engine.group
         if isinstance(update, TrainerUpdate) and update.channel is None:
             staged = ray.get(group.call_each("stage_pieces", [(list(r), None) for r in update.refs]))
-        elif isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values()):
+        elif is_state_dict(update):
             staged = ray.get(group.call("stage_weights", ray.put(pack_state(update))))
         else:
             raise WeightMismatchError(

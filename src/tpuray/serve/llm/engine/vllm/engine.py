@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from tpuray.constants import VLLM_PLATFORM_ENV
@@ -38,6 +39,20 @@ SHUTDOWN_TIMEOUT_S = 10.0  # the most a replica waits for vLLM's client to stop 
 # vLLM clients of engine cores that died: kept referenced for the life of the process, never collected,
 # because collecting one blocks forever in its zmq context's clean-up (the process exits without it).
 _DEAD_CLIENTS: list[Any] = []
+
+
+def default_cpu_kv_cache(engine_args: Mapping[str, Any]) -> bool:
+    """On vLLM's CPU backend, size the KV cache at DEFAULT_CPU_KVCACHE_GIB per worker
+    (VLLM_CPU_KVCACHE_SPACE, for this process and its children) unless `engine_args` or the environment
+    size it already; returns whether it did."""
+    from vllm.platforms import current_platform
+
+    if "gpu_memory_utilization" in engine_args or "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return False
+    if not current_platform.is_cpu():
+        return False
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+    return True
 
 
 class VLLMEngine:
@@ -105,12 +120,10 @@ class VLLMEngine:
         cfg = self.config
         if ray_address:  # vLLM's engine core is a Ray driver of its own: it must join this cluster
             os.environ["RAY_ADDRESS"] = ray_address
-        if "gpu_memory_utilization" not in self.engine_args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            if self._cpu_backend():
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
-                logger.info(
-                    "%s: vLLM CPU backend KV cache %s GiB per worker", cfg.model_id, DEFAULT_CPU_KVCACHE_GIB
-                )
+        if default_cpu_kv_cache(self.engine_args):
+            logger.info(
+                "%s: vLLM CPU backend KV cache %s GiB per worker", cfg.model_id, DEFAULT_CPU_KVCACHE_GIB
+            )
         tokenizer = cfg.model_loading_config.tokenizer_source
         self.args = AsyncEngineArgs(
             model=path,
@@ -132,12 +145,6 @@ class VLLMEngine:
         # an emulated slice is said where operators look (a warning reaches the replica's log by default)
         log = logger.warning if self.emulated else logger.info
         log("%s: vLLM engine up: %s", cfg.model_id, self.where())
-
-    @staticmethod
-    def _cpu_backend() -> bool:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
 
     @staticmethod
     def _clear_platform_cache() -> None:
