@@ -4,6 +4,7 @@ alone: see docs/real-tpu.md for the set-up).
 
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py engine     # the embedded engine, ~1B Llama
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py weights    # RL: updates, sleep / wake-up
     python3 benchmarks/bench_real_tpu.py engine --small --device cpu   # the script itself, on a CPU
 
 Prints one JSON line per measurement (and writes them to --out). Figures: benchmarks/README.md.
@@ -24,6 +25,7 @@ from _tpu_engine import (
     greedy_tokens,
     loop_rate,
     serve_mixed,
+    sync,
     timed,
     write_llama,
 )
@@ -31,6 +33,10 @@ from _tpu_engine import (
 V5E_HBM_BYTES_PER_S = 819e9
 V5E_BF16_FLOPS = 197e12
 RESULTS: list[dict] = []
+ENGINE_DIMS = {
+    "small": dict(hidden=256, layers=2, heads=8, kv_heads=2, inter=512, vocab=1024),
+    "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=32000),  # Llama-3.2-1B-like
+}
 
 
 def report(name: str, **fields) -> None:
@@ -45,10 +51,7 @@ def bench_engine(args) -> None:
     after the first are also reported as ratios to the first's (the anchor)."""
     import gc
 
-    if args.small:
-        dims = dict(hidden=256, layers=2, heads=8, kv_heads=2, inter=512, vocab=1024)
-    else:  # ~1.1B parameters, Llama-3.2-1B-like (head_dim 64, GQA 4:1)
-        dims = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=32000)
+    dims = ENGINE_DIMS["small" if args.small else "1b"]
     path = Path(tempfile.mkdtemp()) / "llama"
     weight_bytes = write_llama(path, **dims)
     backends = args.compile_backend.split(",") if args.device == "tpu" else [None]
@@ -309,9 +312,71 @@ def bench_kv_write(args) -> None:
     assert float(cache[3, 0, 7, 0, 0].cpu()) == 1.0, "the indexed write did not land"
 
 
+# -- RL: the rollout engine's weight updates and sleep / wake-up ---------------------------------------------
+def bench_weights(args) -> None:
+    """A one-chip rollout engine (`tpuray.rl.worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
+    runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
+    + commit (copy into the weights on the chip), against the raw transfer of the same bytes (each tensor
+    `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
+    then sleep / wake-up, with the allocator's count of live bytes on the device."""
+    from tpuray.rl.weights import engine_tensors
+    from tpuray.rl.worker import RunnerWeights
+    from tpuray.serve.llm.engine.embedded.model import load_state_dict
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+    dims = ENGINE_DIMS["small" if args.small else "1b"]
+    path = Path(tempfile.mkdtemp()) / "llama"
+    weight_bytes = write_llama(path, **dims)
+    runner = ModelRunner(str(path), max_num_seqs=4, max_model_len=256, dtype="bfloat16", device=args.device)
+    weights = RunnerWeights(runner, path, rank=0, world_size=1)
+    state = load_state_dict(path)
+    shards = {k: t.cpu() for k, t in engine_tensors(runner.model).items()}
+    dev = engine_tensors(runner.model)
+
+    def update() -> None:
+        weights.stage(state)
+        weights.commit()
+
+    def in_place() -> None:
+        with torch.no_grad():
+            for k, t in dev.items():
+                t.copy_(shards[k])
+
+    raw = timed(lambda: [t.to(args.device) for t in shards.values()], args.steps)
+    figures = dict(
+        raw_to_device_s=raw, in_place_s=timed(in_place, args.steps), update_s=timed(update, args.steps)
+    )
+    report(
+        "rl_update",
+        weight_bytes=weight_bytes,
+        **figures,
+        update_gb_s=weight_bytes / figures["update_s"] / 1e9,
+        update_vs_raw=figures["update_s"] / raw,
+        in_place_vs_raw=figures["in_place_s"] / raw,
+    )
+    live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
+    before = live()
+    t0 = time.perf_counter()
+    freed = weights.sleep()
+    sync()
+    sleep_s, asleep = time.perf_counter() - t0, live()
+    t0 = time.perf_counter()
+    retaken = weights.wake_up()
+    sync()
+    report(
+        "rl_sleep",
+        freed_bytes=freed,
+        device_bytes_awake=before,
+        device_bytes_asleep=asleep,
+        sleep_s=sleep_s,
+        wake_up_s=time.perf_counter() - t0,
+        retaken_bytes=retaken,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["engine", "train", "kv-write"])
+    ap.add_argument("what", choices=["engine", "train", "kv-write", "weights"])
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
@@ -340,7 +405,9 @@ def main() -> None:
         from tpuray.runtime import activate
 
         report("runtime", mode=activate())
-    {"engine": bench_engine, "train": bench_train, "kv-write": bench_kv_write}[args.what](args)
+    {"engine": bench_engine, "train": bench_train, "kv-write": bench_kv_write, "weights": bench_weights}[
+        args.what
+    ](args)
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in RESULTS)

@@ -59,3 +59,46 @@ def test_expected_names_follow_the_config():
     assert qwen["model.layers.0.self_attn.q_proj.bias"] == (8,)
     with pytest.raises(WeightMismatchError, match="self_attn.q_proj.bias' .* is missing"):
         check_state(shapes, {**base, "model_type": "qwen2"})
+
+
+IN_PROCESS_WITHOUT_RAY = """
+import sys
+
+class NoRay:  # a TPU VM runs the engine in one process, without Ray installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"no module named {name!r} (blocked)")
+
+sys.meta_path.insert(0, NoRay())
+import torch
+from tpuray.rl.weights import engine_tensors
+from tpuray.rl.worker import RunnerWeights
+from tpuray.serve.llm.engine.embedded.model import load_state_dict
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+a, b = sys.argv[1:3]
+weights = RunnerWeights(ModelRunner(a, max_num_seqs=2, max_model_len=64), a, rank=0, world_size=1)
+state = load_state_dict(b)
+assert weights.stage(state) > 0 and weights.commit() > 0
+assert weights.stage_shards(dict(engine_tensors(weights.runner.model))) > 0 and weights.commit() > 0
+assert weights.sleep() > 0 and weights.wake_up() > 0
+head = engine_tensors(weights.runner.model)["lm_head"]
+assert torch.equal(head, state["lm_head.weight"]), "b's lm_head is in the engine"
+print("ok", weights.version, "ray" in sys.modules)
+"""
+
+
+def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
+    """`RunnerWeights` (the in-process engine's updates and sleep) never imports Ray: a TPU VM runs it in
+    one process where Ray is not installed (tests/real_tpu/test_rollout_weights.py runs it there)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS_WITHOUT_RAY, *tiny_models],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["ok", "2", "False"]

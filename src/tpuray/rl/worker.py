@@ -10,6 +10,7 @@ staged update.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,21 +30,26 @@ from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 
 
+def _is_ref(x: Any) -> bool:
+    """Whether `x` is a Ray ObjectRef. None exists in a process that never imported Ray, so an in-process
+    engine (a TPU VM's single process) takes its updates without Ray installed."""
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(x, ray.ObjectRef)
+
+
 def resolve_update(update: Any) -> dict[str, torch.Tensor]:
     """An update as a state dict: a mapping of tensors, or of ObjectRefs to tensors (pulled here), or an
     ObjectRef to either (Ray resolves a top-level ref argument before the call)."""
-    import ray
-
-    if isinstance(update, ray.ObjectRef):
-        update = ray.get(update)
+    if _is_ref(update):
+        update = sys.modules["ray"].get(update)
     if not isinstance(update, Mapping):
         raise WeightMismatchError(
             f"weight update must be a state dict (name -> tensor or ObjectRef), got {type(update).__name__}"
         )
-    refs = {k: v for k, v in update.items() if isinstance(v, ray.ObjectRef)}
+    refs = {k: v for k, v in update.items() if _is_ref(v)}
     state = dict(update)
     if refs:
-        state.update(zip(refs, ray.get(list(refs.values())), strict=True))
+        state.update(zip(refs, sys.modules["ray"].get(list(refs.values())), strict=True))
     return state
 
 
@@ -72,11 +78,9 @@ class RunnerWeights:
     def stage_shards(self, shards: Any) -> int:
         """Stage this rank's pre-cut shards (a `put_shards` object, resolved by Ray); checked against the
         model's tensors (or the host copy while asleep) like `stage`."""
-        import ray
-
         self.staged = None
-        if isinstance(shards, ray.ObjectRef):
-            shards = ray.get(shards)
+        if _is_ref(shards):
+            shards = sys.modules["ray"].get(shards)
         check_shards(shards, self.runner.model if self.host_copy is None else _Holder(self.host_copy))
         self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())

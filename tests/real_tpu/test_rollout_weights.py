@@ -1,0 +1,89 @@
+"""The embedded rollout engine's weight updates and sleep / wake-up on the real chip (`tpuray.rl.worker`'s
+`RunnerWeights` over an in-process `ModelRunner`, as `RolloutEngine` runs a one-chip engine; no Ray).
+
+Two small models trained here with different seeds, a and b (same shapes, confident greedy choices): the
+chip's engine starts with a's weights, takes b's (a full state dict, and the pieces a trainer rank cuts
+from tensors on the chip, as a colocated run sends them) and must then give the CPU engine's greedy
+tokens for b, with no program rebuilt; a misshapen update is refused and changes nothing; asleep, the
+weights and the KV cache leave the chip (the device allocator's count falls by the bytes `sleep` reports)
+and an update made meanwhile is on the chip after `wake_up`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+KW = dict(max_num_seqs=4, max_model_len=256, dtype="float32")
+PROMPT = list(range(5, 17))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tpuray.models import train_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rollout")
+    return [
+        str(train_tiny_causal_lm(root / name, steps=150, seed=seed)) for name, seed in (("a", 0), ("b", 1))
+    ]
+
+
+def _greedy(runner: ModelRunner, n: int = 32, slot: int = 0) -> list[int]:
+    out, res = [], runner.step([(slot, PROMPT, 0, None)], need_logits=False)
+    for i in range(n - 1):
+        assert res is not None
+        out.append(res.token_ids[0])
+        res = runner.step([(slot, [out[-1]], len(PROMPT) + i, None)], need_logits=False)
+    assert res is not None
+    return [*out, res.token_ids[0]]
+
+
+def _device_bytes() -> int:
+    """Bytes the chip's allocator holds for live tensors (torch.accelerator's count, which torch_tpu's
+    allocator keeps)."""
+    torch.accelerator.synchronize()
+    return int(torch.accelerator.memory_allocated())
+
+
+def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
+    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.weights import WeightMismatchError, assemble
+    from tpuray.rl.worker import RunnerWeights
+    from tpuray.serve.llm.engine.embedded.model import load_state_dict
+
+    a, b = models
+    want_a, want_b = _greedy(ModelRunner(a, **KW)), _greedy(ModelRunner(b, **KW))
+    assert want_a != want_b
+    chip = ModelRunner(a, device="tpu", **KW)
+    built = chip.warmup()
+    weights = RunnerWeights(chip, a, rank=0, world_size=1)
+    assert _greedy(chip) == want_a
+
+    state_b = load_state_dict(b)
+    assert weights.stage(state_b) > 0 and weights.commit() > 0  # a full state dict, from the host
+    assert _greedy(chip) == want_b
+
+    bad = dict(state_b, **{"lm_head.weight": state_b["lm_head.weight"][:-1]})
+    with pytest.raises(WeightMismatchError, match="lm_head.weight"):
+        weights.stage(bad)
+    assert weights.staged is None and _greedy(chip) == want_b  # refused: nothing written
+
+    before = _device_bytes()
+    freed = weights.sleep()
+    after = _device_bytes()
+    print(f"device bytes: awake {before}, asleep {after}; sleep reports {freed} freed")
+    assert freed > 0 and before - after >= freed
+    # asleep, the trainer's weights (a's, on the chip) arrive as a colocated run sends them: pieces cut
+    # on the chip, joined and fused on the host, held there until wake-up
+    on_chip = {n: t.to(tpu) for n, t in load_state_dict(a).items()}
+    config = json.loads((Path(a) / "config.json").read_text())
+    pieces = trainer_pieces(on_chip, 0, 1)
+    assert weights.stage_shards(assemble(pieces, config, 0, 1)) > 0 and weights.commit() > 0
+    del on_chip
+    assert weights.wake_up() == freed and _device_bytes() >= before
+    assert _greedy(chip) == want_a
+    assert chip.compilations == built  # updates and sleep rebuilt no program
