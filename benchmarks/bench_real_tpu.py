@@ -318,7 +318,8 @@ def bench_weights(args) -> None:
     runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
     + commit (copy into the weights on the chip), against the raw transfer of the same bytes (each tensor
     `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
-    then sleep / wake-up, with the allocator's count of live bytes on the device."""
+    then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep levels 1 (weights copied
+    to the host) and 2 (discarded), alternated, with the allocator's count of live bytes on the device."""
     from tpuray.rl.weights import engine_tensors
     from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
@@ -355,22 +356,33 @@ def bench_weights(args) -> None:
         in_place_vs_raw=figures["in_place_s"] / raw,
     )
     live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
+    for level in (1, 2, 1, 2):  # a colocated hand-over at each sleep level, alternated
+        report("rl_handover", level=level, **handover(weights, state, level, live))
+
+
+def handover(weights, state, level: int, live) -> dict:
+    """One colocated hand-over (the engine's side of an RLRun iteration): sleep at `level`, an update of
+    the full state taken while asleep (stage + commit), wake-up; seconds of each, bytes freed."""
     before = live()
     t0 = time.perf_counter()
-    freed = weights.sleep()
+    freed = weights.sleep(level)
     sync()
-    sleep_s, asleep = time.perf_counter() - t0, live()
-    t0 = time.perf_counter()
+    t1, asleep = time.perf_counter(), live()
+    weights.stage(state)
+    weights.commit()
+    t2 = time.perf_counter()
     retaken = weights.wake_up()
     sync()
-    report(
-        "rl_sleep",
+    t3 = time.perf_counter()
+    assert retaken == freed
+    return dict(
         freed_bytes=freed,
         device_bytes_awake=before,
         device_bytes_asleep=asleep,
-        sleep_s=sleep_s,
-        wake_up_s=time.perf_counter() - t0,
-        retaken_bytes=retaken,
+        sleep_s=t1 - t0,
+        update_asleep_s=t2 - t1,
+        wake_up_s=t3 - t2,
+        total_s=t3 - t0,
     )
 
 

@@ -6,7 +6,8 @@ chip's engine starts with a's weights, takes b's (a full state dict, and the pie
 from tensors on the chip, as a colocated run sends them) and must then give the CPU engine's greedy
 tokens for b, with no program rebuilt; a misshapen update is refused and changes nothing; asleep, the
 weights and the KV cache leave the chip (the device allocator's count falls by the bytes `sleep` reports)
-and an update made meanwhile is on the chip after `wake_up`."""
+and an update made meanwhile is on the chip after `wake_up`; at sleep level 2 the weights are discarded
+instead of copied to the host, and the update taken asleep is what wakes up."""
 
 from __future__ import annotations
 
@@ -86,4 +87,11 @@ def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
     del on_chip
     assert weights.wake_up() == freed and _device_bytes() >= before
     assert _greedy(chip) == want_a
+    # level 2: the weights are discarded (no copy to the host); b's update, taken asleep, is what wakes
+    awake = _device_bytes()
+    assert weights.sleep(2) == freed and awake - _device_bytes() >= freed
+    with pytest.raises(RuntimeError, match="needs a weight update first"):
+        weights.wake_up()
+    assert weights.stage(state_b) > 0 and weights.commit() > 0 and weights.wake_up() == freed
+    assert _greedy(chip) == want_b
     assert chip.compilations == built  # updates and sleep rebuilt no program

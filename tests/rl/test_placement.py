@@ -35,8 +35,9 @@ def test_colocated_run_and_failures(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, monkeypatch
 ):
     """Colocated: one slice, reserved by the trainer; the engine's TP ranks are the trainer's workers
-    (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache) while the trainer trains,
-    takes update k+1 while asleep and wakes up with it. With trainer restarts, a killed trainer worker
+    (HostedGroup), it generates batch k, sleeps (frees its weights and KV cache; sleep_level=2: the
+    weights discarded, not copied to the host) while the trainer trains, takes update k+1 while asleep
+    and wakes up with it. With trainer restarts, a killed trainer worker
     (the engine's rank too) restarts the trainer and the engine in the new workers, with the last update.
     A disaggregated run that cannot have both sides' slices at once (one is held elsewhere) starts
     nothing and holds nothing: the two are claimed in one request. Nothing is left."""
@@ -65,7 +66,13 @@ def test_colocated_run_and_failures(
         return _greedy(engine)
 
     rl = RLRun(
-        RLConfig(colocated, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        RLConfig(
+            colocated,
+            ScalingConfig(**SCALING),
+            placement="colocated",
+            weight_sync="object_store",
+            sleep_level=2,  # the weights discarded while the trainer trains (its update replaces them)
+        ),
         _rl_loops.restart_loop,
         train_loop_config={"path": tiny_models[1], "kill_at": -1, "strategy": "fsdp2"},
         run_config=RunConfig(

@@ -92,6 +92,16 @@ def test_update_weights_in_process(tiny_models, reference):
         engine.update_weights(_state_dict(tiny_models[0]))
         assert engine.wake_up() > 0 and not engine.asleep
         assert _greedy(engine) == reference["a"]
+        # level 2: the weights are discarded, not copied to the host; the next update must come first
+        with pytest.raises(ValueError, match=r"sleep\(level=3\) is invalid; valid: 1 .*, 2 "):
+            engine.sleep(level=3)
+        assert engine.sleep(level=2) > 0 and engine.asleep
+        with pytest.raises(RuntimeError, match=r"wake_up after sleep\(level=2\): the weights were discarded"):
+            engine.wake_up()
+        assert engine.asleep
+        stats = engine.update_weights(_state_dict(tiny_models[1]))
+        assert stats.bytes_written > 0 and engine.wake_up() > 0
+        assert _greedy(engine) == reference["b"]
 
 
 def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, tiny_models, reference):

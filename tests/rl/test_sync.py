@@ -105,6 +105,9 @@ def test_rl_config_refuses_bad_values(tiny_models):
             },
             r"rollout_max_failures=-1 is invalid with placement='colocated'.*FailureConfig",
         ),
+        ({"sleep_level": 3}, r"sleep_level=3 is invalid; valid: 1, 2"),
+        ({"sleep_level": True}, r"sleep_level=True is invalid; valid: 1, 2"),
+        ({"sleep_level": 2}, r"sleep_level=2 is invalid with placement='disaggregated': the engine never"),
     ):
         with pytest.raises(ConfigError, match=named):
             RLConfig(**{**ok, **bad})

@@ -58,6 +58,14 @@ def test_engine_choice(vllm_models, tiny_models, caplog):
     assert colocated.rollout.resolved_engine == "vllm" and colocated.rollout_tensor_parallel_size == 2
     with pytest.raises(ConfigError, match=r"weight_sync='tpu_dist' is invalid with placement='colocated'"):
         RLConfig(RolloutConfig(vllm_models[0]), ScalingConfig(**SCALING), placement="colocated")
+    with pytest.raises(ConfigError, match=r"sleep_level=2 is invalid with a vLLM rollout engine"):
+        RLConfig(
+            RolloutConfig(vllm_models[0]),
+            ScalingConfig(**SCALING),
+            placement="colocated",
+            weight_sync="object_store",
+            sleep_level=2,
+        )
 
 
 CHILD = """

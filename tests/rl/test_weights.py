@@ -71,7 +71,7 @@ class NoRay:  # a TPU VM runs the engine in one process, without Ray installed
 
 sys.meta_path.insert(0, NoRay())
 import torch
-from tpuray.rl.weights import engine_tensors
+from tpuray.rl.weights import WeightMismatchError, engine_tensors
 from tpuray.rl.worker import RunnerWeights
 from tpuray.serve.llm.engine.embedded.model import load_state_dict
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
@@ -84,13 +84,30 @@ assert weights.stage_shards(dict(engine_tensors(weights.runner.model))) > 0 and 
 assert weights.sleep() > 0 and weights.wake_up() > 0
 head = engine_tensors(weights.runner.model)["lm_head"]
 assert torch.equal(head, state["lm_head.weight"]), "b's lm_head is in the engine"
+# level 2: discarded; an update is checked against the shapes the weights had, then held for wake_up
+shards = {k: t.clone() for k, t in engine_tensors(weights.runner.model).items()}
+assert weights.sleep(2) > 0 and weights.host_copy is None
+bad = dict(shards, lm_head=shards["lm_head"][:-1])
+try:
+    weights.stage_shards(bad)
+    raise AssertionError("a misshapen shard was taken while asleep")
+except WeightMismatchError as e:
+    assert "'lm_head' has shape" in str(e), e
+try:
+    weights.wake_up()
+    raise AssertionError("woke up without weights")
+except RuntimeError as e:
+    assert "needs a weight update first" in str(e) and weights.asleep, e
+assert weights.stage_shards(shards) > 0 and weights.commit() > 0 and weights.wake_up() > 0
+assert all(torch.equal(t, shards[k]) for k, t in engine_tensors(weights.runner.model).items())
 print("ok", weights.version, "ray" in sys.modules)
 """
 
 
 def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
     """`RunnerWeights` (the in-process engine's updates and sleep) never imports Ray: a TPU VM runs it in
-    one process where Ray is not installed (tests/real_tpu/test_rollout_weights.py runs it there)."""
+    one process where Ray is not installed (tests/real_tpu/test_rollout_weights.py runs it there). Sleep
+    at level 2 discards the weights: an update is checked against their shapes, and wake_up needs one."""
     import subprocess
     import sys
 
@@ -101,4 +118,4 @@ def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["ok", "2", "False"]
+    assert out.stdout.split()[-3:] == ["ok", "3", "False"]

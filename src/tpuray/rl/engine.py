@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tpuray.rl.collective import TransferError
 from tpuray.rl.config import RolloutConfig
@@ -36,6 +36,13 @@ from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)
+
+
+SleepLevel = Literal[1, 2]  # RolloutEngine.sleep: weights offloaded to host memory (1) or discarded (2)
+NO_WEIGHTS = (
+    "RolloutEngine.{what} after sleep(level=2): the weights were discarded and no update_weights loaded "
+    "new ones since; call update_weights with the full state first (or sleep(level=1) to keep them)"
+)
 
 
 class RolloutEngineError(RuntimeError):
@@ -103,6 +110,7 @@ class RolloutEngine:
     same API over that engine."""
 
     engine_name = "embedded"
+    updates_while_asleep = True  # update_weights works asleep (into the host copy): wake_up needs weights
 
     def __new__(cls, config: RolloutConfig, *args: Any, **kwargs: Any) -> RolloutEngine:
         wanted = getattr(config, "resolved_engine", cls.engine_name)
@@ -122,6 +130,7 @@ class RolloutEngine:
         self._lock = threading.Lock()
         self._loop = asyncio.Runner()
         self._asleep = False
+        self._discarded = False  # slept at level 2 and no update loaded since: the weights are gone
         self._closed = False
         self.failure: BaseException | None = None  # a worker's death: the engine is unusable
         self.version = 0  # weight updates committed
@@ -206,6 +215,8 @@ class RolloutEngine:
         with self._lock:
             if self._asleep:
                 raise RuntimeError("RolloutEngine.generate while asleep: call wake_up() first")
+            if self._discarded:
+                raise RuntimeError(NO_WEIGHTS.format(what="generate"))
             try:
                 return self._loop.run(self._generate_all(ids, per_prompt))
             except ray.exceptions.RayActorError as e:
@@ -285,6 +296,7 @@ class RolloutEngine:
                 except ray.exceptions.RayActorError as e:
                     raise self._failed(e) from e
             self.version += 1
+            self._discarded = False
         return UpdateStats(written, time.perf_counter() - start, self.version)
 
     def _check_parallel(self, update: ShardedUpdate | TrainerUpdate) -> None:
@@ -321,31 +333,41 @@ class RolloutEngine:
         return sum(ray.get(group.call("commit_weights")))
 
     # -- sleep / wake-up ----------------------------------------------------------------------------------
-    def sleep(self) -> int:
-        """Free the chips' memory: weights to a host copy, KV cache dropped. Returns bytes freed over all
-        ranks. `update_weights` still works (it updates the host copy); `generate` needs `wake_up()`."""
+    def sleep(self, level: SleepLevel = 1) -> int:
+        """Free the chips' memory: the KV cache is dropped, and the weights copied to host memory first
+        (level 1) or discarded (level 2, vLLM's meaning: for an engine whose next update replaces them all).
+        Returns bytes freed over all ranks. `generate` needs `wake_up()`; `update_weights` still works
+        (it updates the host copy; after level 2 the next `wake_up` needs one: RuntimeError otherwise)."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(
+                f"sleep(level={level!r}) is invalid; valid: 1 (weights kept in host memory), 2 (weights "
+                "discarded: update_weights with the full state before the next generate)"
+            )
         self._check_open("sleep")
         with self._lock:
-            freed = self._on_ranks("sleep")
+            freed = self._on_ranks("sleep", level)
             self._asleep = True
+            self._discarded = self._discarded or level == 2
             return freed
 
     def wake_up(self) -> int:
         """Retake the chips' memory and restore the weights; returns bytes retaken over all ranks."""
         self._check_open("wake_up")
         with self._lock:
+            if self._discarded and self.updates_while_asleep:
+                raise RuntimeError(NO_WEIGHTS.format(what="wake_up"))
             retaken = self._on_ranks("wake_up")
             self._asleep = False
             return retaken
 
-    def _on_ranks(self, method: str) -> int:
+    def _on_ranks(self, method: str, *args: Any) -> int:
         import ray
 
         if self._local is not None:
-            return int(getattr(self._local, method)())
+            return int(getattr(self._local, method)(*args))
         assert self._engine.group is not None
         try:
-            return sum(ray.get(self._engine.group.call(method)))
+            return sum(ray.get(self._engine.group.call(method, *args)))
         except ray.exceptions.RayActorError as e:
             raise self._failed(e) from e
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from tpuray.rl.config import RolloutConfig
+from tpuray.rl.engine import SleepLevel
 from tpuray.rl.sync import TRANSPORTS, Transport
 from tpuray.validation import ConfigError
 
 Placement = Literal["disaggregated", "colocated"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
+SLEEP_LEVELS: tuple[int, ...] = get_args(SleepLevel)
 
 
 @dataclass
@@ -60,6 +62,14 @@ class RLConfig:
     rank sends its last update again into it (also one whose transfer the failure interrupted).
     Disaggregated only (colocated, a rollout worker is a trainer worker: the trainer's FailureConfig
     applies)."""
+    sleep_level: SleepLevel = 1
+    """Colocated with the embedded engine only: how the engine sleeps while the trainer trains (its
+    `sleep(level)`). 1 (the default): its weights are copied to host memory first, so an update the engine
+    refuses leaves it the old ones. 2: its weights are discarded, not copied (the trainer's next update,
+    taken while it sleeps, replaces them all before it wakes up): on a TPU this saves the device-to-host
+    copy of the whole model each iteration (seconds for a 1B model on a TPU v5e VM's host link:
+    benchmarks/README.md), but after a refused update the engine has no weights, and its next wake-up
+    raises."""
     trainer_world_size: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -82,6 +92,7 @@ class RLConfig:
         if not isinstance(self.sync_timeout_s, int | float) or self.sync_timeout_s <= 0:
             raise ConfigError(f"RLConfig.sync_timeout_s={self.sync_timeout_s!r} is invalid; valid: > 0")
         self._check_rollout_failures()
+        self._check_sleep_level()
         self.trainer_world_size = self.trainer.num_workers
         if self.placement == "colocated":
             self._check_colocated()
@@ -98,6 +109,22 @@ class RLConfig:
             raise ConfigError(
                 f"RLConfig.rollout_max_failures={n} is invalid with placement='colocated': the engine's "
                 "workers are the trainer's (FailureConfig(max_failures) governs them); valid: 0"
+            )
+
+    def _check_sleep_level(self) -> None:
+        level = self.sleep_level
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ConfigError(f"RLConfig.sleep_level={level!r} is invalid; valid: 1, 2")
+        if level == 2 and self.placement != "colocated":
+            raise ConfigError(
+                "RLConfig.sleep_level=2 is invalid with placement='disaggregated': the engine never sleeps "
+                "there; valid: 1, or placement='colocated'"
+            )
+        if level == 2 and self.rollout.resolved_engine == "vllm":
+            raise ConfigError(
+                "RLConfig.sleep_level=2 is invalid with a vLLM rollout engine: colocated vLLM takes its "
+                "updates while asleep at level 1 only (on vLLM's CPU backend its weights stay in host "
+                "memory either way); valid: 1, or RolloutConfig(engine='embedded')"
             )
 
     def _check_disaggregated(self) -> None:

@@ -202,7 +202,7 @@ class RLRun:
             try:
                 engine = self._hosted_engine(attempt, hosts)
                 batch = rollout_fn(engine, k)
-                return batch, engine.sleep()
+                return batch, engine.sleep(self.config.sleep_level)
             except RolloutEngineError as e:
                 self._drop_lost_engine(e, hosts)
 

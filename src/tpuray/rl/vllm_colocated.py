@@ -105,11 +105,12 @@ class HostedVLLM:
     def discard_weights(self) -> None:
         self.llm.collective_rpc("tpuray_discard_weights")
 
-    def sleep(self) -> int:
-        """Bytes freed: vLLM's sleep (level 1) where the platform has it (vLLM does not say how much: 0);
-        on the CPU backend this rank's KV cache memory (tpuray's worker extension)."""
+    def sleep(self, level: int = 1) -> int:
+        """Bytes freed: vLLM's sleep (`level`) where the platform has it (vLLM does not say how much: 0);
+        on the CPU backend this rank's KV cache memory (tpuray's worker extension; the weights stay in
+        host memory at either level)."""
         if not self.own_sleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
             return 0
         (freed,) = self.llm.collective_rpc("tpuray_empty_kv_cache")
         return int(freed)

@@ -171,6 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
     """`RolloutEngine` over vLLM (see the module docstring); made by `RolloutEngine(config)`."""
 
     engine_name = "vllm"
+    updates_while_asleep = False  # refused asleep: after sleep(level=2), wake_up, then update_weights
 
     _engine: VLLMGeneration
     _pieces: Any = None  # the _PieceHolder actor, made at the first TrainerUpdate
@@ -263,9 +264,9 @@ class VLLMRolloutEngine(RolloutEngine):
         await client.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
         return written
 
-    def _on_ranks(self, method: str) -> int:
-        """vLLM's sleep (level 1: weights offloaded, KV cache dropped) / wake_up; vLLM does not report
-        the bytes, so this returns 0."""
+    def _on_ranks(self, method: str, *args: Any) -> int:
+        """vLLM's sleep (level 1: weights offloaded, KV cache dropped; level 2: weights discarded, to be
+        replaced by update_weights after wake_up) / wake_up; vLLM does not report the bytes: 0."""
         if not self._engine.vllm.sleep_mode:
             raise SleepModeUnavailable(
                 f"RolloutEngine.{method}: vLLM's sleep mode is not available on platform "
@@ -274,5 +275,5 @@ class VLLMRolloutEngine(RolloutEngine):
                 "slices, has none). Use RolloutConfig(engine='embedded') to sleep there"
             )
         client = self._engine.client
-        self._loop.run(client.sleep(level=1) if method == "sleep" else client.wake_up())
+        self._loop.run(client.sleep(level=args[0]) if method == "sleep" else client.wake_up())
         return 0

@@ -61,7 +61,10 @@ class RunnerWeights:
         self.config = json.loads((Path(model_path) / "config.json").read_text())
         self.rank, self.world_size = rank, world_size
         self.staged: dict[str, torch.Tensor] | None = None
-        self.host_copy: dict[str, torch.Tensor] | None = None  # while asleep: the weights on the host
+        self.sleep_level = 0  # 0 awake; 1 asleep, weights on the host; 2 asleep, weights discarded
+        # while asleep: the weights on the host (level 1), or the update committed since (level 2)
+        self.host_copy: dict[str, torch.Tensor] | None = None
+        self.shapes: _Holder | None = None  # while asleep: the weights' shapes and dtypes (meta tensors)
         self.freed: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # while asleep: (tensor, shape)
         self.version = 0  # updates committed
 
@@ -77,11 +80,11 @@ class RunnerWeights:
 
     def stage_shards(self, shards: Any) -> int:
         """Stage this rank's pre-cut shards (a `put_shards` object, resolved by Ray); checked against the
-        model's tensors (or the host copy while asleep) like `stage`."""
+        model's tensors (or their shapes while asleep) like `stage`."""
         self.staged = None
         if _is_ref(shards):
             shards = sys.modules["ray"].get(shards)
-        check_shards(shards, self.runner.model if self.host_copy is None else _Holder(self.host_copy))
+        check_shards(shards, self.runner.model if self.shapes is None else self.shapes)
         self.staged = dict(shards)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
@@ -99,11 +102,15 @@ class RunnerWeights:
         return self.stage_shards(shards)
 
     def commit(self) -> int:
-        """Copy the staged shards into the model (or its host copy while asleep); returns bytes written."""
+        """Copy the staged shards into the model (asleep: into the host copy, or at level 2 into a host
+        copy of their own, which wake_up moves to the device); returns bytes written."""
         if self.staged is None:
             raise RuntimeError("commit_weights without a staged update (call stage_weights first)")
         staged, self.staged = self.staged, None
-        if self.host_copy is not None:  # asleep: the update waits on the host, wake_up moves it
+        if self.sleep_level == 2 and self.host_copy is None:  # the staged tensors may be reused buffers
+            self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in staged.items()}
+            written = sum(t.numel() * t.element_size() for t in self.host_copy.values())
+        elif self.host_copy is not None:  # asleep: the update waits on the host, wake_up moves it
             written = copy_shards(_Holder(self.host_copy), staged)
         else:
             written = copy_shards(self.runner.model, staged)
@@ -114,14 +121,22 @@ class RunnerWeights:
         self.staged = None
 
     # -- sleep / wake-up ----------------------------------------------------------------------------------
-    def sleep(self) -> int:
-        """Free the device memory of the weights and the KV cache: the weights go to a host copy, the
-        KV cache is dropped (its contents are not needed between rollouts). Each tensor keeps its Python
-        object (the model and cache still hold it) and gets an empty storage. Returns bytes freed."""
-        if self.host_copy is not None:
+    def sleep(self, level: int = 1) -> int:
+        """Free the device memory of the weights and the KV cache (its contents are not needed between
+        rollouts). Level 1: the weights go to a host copy first; level 2: they are discarded (no copy to
+        the host: for an engine whose next update replaces them all before `wake_up`). Each tensor keeps
+        its Python object (the model and cache still hold it) and gets an empty storage. Returns bytes
+        freed (0 when already asleep)."""
+        if level not in (1, 2):
+            raise ValueError(
+                f"sleep(level={level!r}) is invalid; valid: 1 (weights kept on the host), 2 (discarded)"
+            )
+        if self.sleep_level:
             return 0
         weights = engine_tensors(self.runner.model)
-        self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+        self.shapes = _Holder({k: torch.empty_like(t, device="meta") for k, t in weights.items()})
+        if level == 1:
+            self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
         freed, seen = 0, set()
         for t in [*weights.values(), *self.runner.cache.k, *self.runner.cache.v]:
             if id(t) in seen:  # tied embeddings: one tensor under two names
@@ -130,13 +145,20 @@ class RunnerWeights:
             freed += t.numel() * t.element_size()
             self.freed.append((t, tuple(t.shape)))
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.sleep_level = level
         return freed
 
     def wake_up(self) -> int:
-        """Retake the device memory and restore the weights (with any update made while asleep); the KV
-        cache comes back zeroed. Returns bytes retaken."""
-        if self.host_copy is None:
+        """Retake the device memory and restore the weights (level 1: with any update made while asleep;
+        level 2: the update made while asleep, which must exist: RuntimeError, still asleep, otherwise);
+        the KV cache comes back zeroed. Returns bytes retaken (0 when awake)."""
+        if not self.sleep_level:
             return 0
+        if self.host_copy is None:
+            raise RuntimeError(
+                "wake_up after sleep(level=2) needs a weight update first: the weights were discarded "
+                "(update_weights with the full state, then wake_up; or sleep(level=1) to keep them)"
+            )
         freed, self.freed = self.freed, []
         retaken = 0
         for t, shape in freed:
@@ -145,12 +167,12 @@ class RunnerWeights:
         with torch.no_grad():
             for key, t in engine_tensors(self.runner.model).items():
                 t.copy_(self.host_copy[key])
-        self.host_copy = None
+        self.host_copy, self.shapes, self.sleep_level = None, None, 0
         return retaken
 
     @property
     def asleep(self) -> bool:
-        return self.host_copy is not None
+        return self.sleep_level != 0
 
 
 class _Holder:
@@ -203,8 +225,8 @@ class RolloutWorker(EngineWorker):
     def discard_weights(self) -> None:
         self._w().discard()
 
-    def sleep(self) -> int:
-        return self._w().sleep()
+    def sleep(self, level: int = 1) -> int:
+        return self._w().sleep(level)
 
     def wake_up(self) -> int:
         return self._w().wake_up()
