@@ -31,6 +31,14 @@ def _no_group_left(pg_leak_check) -> None:
     pg_leak_check()  # ray.util.placement_group_table(): no live group beyond those before the test
 
 
+def _latest_checkpoint(run_state: str) -> int:
+    """The report index of a tpuray.train run's latest committed checkpoint (-1: none yet)."""
+    from tpuray.train.checkpoint import read_text
+
+    latest = json.loads(read_text(run_state) or "{}").get("latest_checkpoint")
+    return -1 if latest is None else int(latest)
+
+
 def test_colocated_run_and_failures(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, monkeypatch
 ):
@@ -45,7 +53,7 @@ def test_colocated_run_and_failures(
 
     from tpuray.rl.colocate import HostedGroup
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.checkpoint import join, read_text
+    from tpuray.train.checkpoint import join
 
     # FSDP2 with FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed
     # while the engine generates batch 1, after checkpoint 0 (next iteration: 1) is committed. The
@@ -58,10 +66,11 @@ def test_colocated_run_and_failures(
     def killing(engine, k: int) -> list:
         assert isinstance(engine.group, HostedGroup) and not engine.asleep
         calls.append((k, tuple(engine.group.actors)))
+        state = join(f"file://{tmp_path}", "colocated", "run_state.json")
+        # checkpoint k - 1 committed (its batches released first: the IterationStats below)
+        while _latest_checkpoint(state) < k - 1:
+            time.sleep(0.2)
         if k == 1 and len(calls) == 2:
-            state = join(f"file://{tmp_path}", "colocated", "run_state.json")
-            while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
-                time.sleep(0.2)
             _kill(engine.group.actors[1])  # a trainer worker: the engine's next call fails
         return _greedy(engine)
 
@@ -89,6 +98,10 @@ def test_colocated_run_and_failures(
     full = sum(t.numel() * t.element_size() for t in _state_dict(tiny_models[0]).values())
     assert all(t.freed > full for t in result.times)  # both ranks' weight shards + KV caches
     assert [t.senders for t in result.times] == [2, 2, 2]
+    # batches kept for a restart: those read since the last committed checkpoint (batch k-1, read after
+    # report k-2, goes once checkpoint k-1 is committed); the last iteration's checkpoint may lag
+    held = [t.batches_held for t in result.times]
+    assert held[:2] == [1, 1] and held[2] in (1, 2), held
     _no_group_left(pg_leak_check)
 
     # disaggregated, one request: one slice is held elsewhere, so the two sides' slices (one each)

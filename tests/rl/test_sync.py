@@ -260,3 +260,31 @@ def test_ddp_runs_reload_or_resend_after_an_engine_loss_and_end_past_the_limit(
     assert seen == [reference[w] for w in "ab"]  # batch 1 from the new engine, with update 1 sent again
     assert not alive_actors("TrainWorker")
     pg_leak_check()
+
+
+def test_the_mailbox_releases_the_batches_a_committed_checkpoint_covers():
+    """`Mailbox.release_batches(i)` (called once report i's checkpoint is committed): a restart resumes
+    from checkpoint i or a later one, so a batch some rank read before making report i - 1 goes; one read
+    after that, or not read yet, stays (a loop may checkpoint before training on the batch it read)."""
+    import asyncio
+
+    from tpuray.rl.mailbox import Mailbox, batch_key
+
+    async def scenario() -> list[int]:
+        box = Mailbox(world_size=2)
+        for k in range(4):
+            await box.put_all({batch_key(k, r): [f"ref{k}"] for r in range(2)})
+        for k in range(3):  # batch k read after k reports (take, train, report k); batch 3 not read yet
+            for _rank in range(2):
+                await box.reading_batch(k, k)
+        held = [await box.batches_held()]
+        assert await box.release_batches(0) == 0  # checkpoint 0: a restart from it reads batch 1 (or 0)
+        held.append(await box.batches_held())
+        assert await box.release_batches(2) == 2  # checkpoint 2: batches 0 and 1 go, 2 and 3 stay
+        held.append(await box.batches_held())
+        assert sorted(box.values) == [batch_key(k, r) for k in (2, 3) for r in range(2)]
+        await box.reading_batch(3, 3)
+        assert await box.release_batches(2) == 0  # again (a restarted attempt's reports): nothing more
+        return held
+
+    assert asyncio.run(scenario()) == [4, 4, 2]

@@ -43,6 +43,15 @@ def ready_key(attempt: int, k: int, rank: int) -> str:
     return f"{ATTEMPT_PREFIX}{attempt}/ready/{k}/{rank}"
 
 
+BATCH_PREFIX = "batch/"  # mailbox keys of the driver's batches: batch/{k}/{rank}, of no trainer attempt
+
+
+def batch_key(k: int, rank: int) -> str:
+    """Where trainer rank `rank` reads batch `k` (kept after reading: a restarted trainer reads it again,
+    until a committed checkpoint makes it unneeded: `Mailbox.release_batches`)."""
+    return f"{BATCH_PREFIX}{k}/{rank}"
+
+
 def join_key(attempt: int, engine: int, rank: int) -> str:
     """Where trainer rank `rank` of attempt `attempt` learns that engine incarnation `engine` joins their
     tpu_dist group (its first update was handed to the engine)."""
@@ -73,6 +82,8 @@ class Mailbox:
         self.attempt = 0  # the newest trainer attempt that put a key
         self.engine = 0  # the rollout engine's incarnation (+1 per `replace_engine`)
         self.changed = asyncio.Event()  # set on every put (wakes `take_update`)
+        # batch k -> the most reports (tpuray.train.report) any rank had made when it read batch k
+        self.batch_reports: dict[int, int] = {}
 
     def _event(self, key: str) -> asyncio.Event:
         return self.events.setdefault(key, asyncio.Event())
@@ -119,6 +130,27 @@ class Mailbox:
             )
         taken = iter(refs)
         return await self.put(key, ([next(taken) if m else None for m in mask], nbytes))
+
+    async def reading_batch(self, k: int, reports: int) -> None:
+        """A trainer rank reads batch `k` after making `reports` reports."""
+        self.batch_reports[k] = max(reports, self.batch_reports.get(k, reports))
+
+    async def release_batches(self, report: int) -> int:
+        """The checkpoint of report index `report` is committed: a restarted trainer resumes from it (or a
+        later one), so it needs no batch read before report `report - 1` was made. Those go (their objects
+        with them); a batch read after that, or not read yet, stays. Returns how many batches went."""
+        gone = {k for k, n in self.batch_reports.items() if n < report}
+        for key in [k for k in self.values if k.startswith(BATCH_PREFIX)]:
+            if int(key[len(BATCH_PREFIX) :].split("/")[0]) in gone:
+                del self.values[key]
+                self.events.pop(key, None)
+        for k in gone:
+            del self.batch_reports[k]
+        return len(gone)
+
+    async def batches_held(self) -> int:
+        """How many batches the mailbox holds (each for every rank)."""
+        return len({key.split("/")[1] for key in self.values if key.startswith(BATCH_PREFIX)})
 
     async def replace_engine(self) -> int:
         """A new rollout engine replaced the failed one: its incarnation, and every rank of the newest

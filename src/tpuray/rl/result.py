@@ -27,6 +27,7 @@ class IterationStats:
     sync_bytes: int
     senders: int
     freed: int = 0  # colocated: bytes the engine's sleep() freed on the chips before the trainer trained
+    batches_held: int = 0  # batches kept for a trainer restart (those read since the last checkpoint)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
+from tpuray.rl.mailbox import batch_key
 from tpuray.rl.reserve import capacity_shortfall, claim_slices
 from tpuray.rl.result import IterationStats, RLResult, RLRunError
 from tpuray.rl.rl_config import RLConfig
@@ -171,7 +172,7 @@ class RLRun:
         for k in range(iterations):
             t0 = time.perf_counter()
             ref = ray.put(batch)
-            sync.put_all({f"batch/{k}/{rank}": [ref] for rank in range(sync.world_size)})
+            sync.put_all({batch_key(k, rank): [ref] for rank in range(sync.world_size)})
             batches.append(batch)
             more = k + 1 < iterations
             rollout_s, upcoming = 0.0, None
@@ -185,7 +186,8 @@ class RLRun:
                 rollout_s = time.perf_counter() - t3
             senders = max(len(refs) for refs in update.refs)
             total = time.perf_counter() - t0
-            times.append(IterationStats(rollout_s, wait_s, sync_s, total, sum(update.nbytes), senders, freed))
+            nbytes, held = sum(update.nbytes), sync.batches_held()
+            times.append(IterationStats(rollout_s, wait_s, sync_s, total, nbytes, senders, freed, held))
             if upcoming is not None:
                 batch, freed = upcoming
         return batches, times

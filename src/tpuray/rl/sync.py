@@ -48,7 +48,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
-from tpuray.rl.mailbox import Mailbox, join_key, ready_key, resend_key, stage, weight_key
+from tpuray.rl.mailbox import Mailbox, batch_key, join_key, ready_key, resend_key, stage, weight_key
 from tpuray.rl.pieces import model_state, trainer_pieces
 from tpuray.rl.vllm_layout import vllm_part
 from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, embedded_part
@@ -95,6 +95,15 @@ def _attempt() -> int:
 
     session = current_session()
     return session.context.attempt if session is not None else 0
+
+
+def _reports_made() -> int | None:
+    """How many reports (`tpuray.train.report`) this tpuray.train worker's run has made, counting those of
+    the attempts it resumed from (None outside a tpuray.train run)."""
+    from tpuray.train.session import current_session
+
+    session = current_session()
+    return session.next_index if session is not None else None
 
 
 def _generation(channel: Channel, attempt: int, engine: int) -> Channel:
@@ -147,8 +156,11 @@ class SyncTarget:
         if self.colocated:
             me = ray.get_runtime_context().current_actor
             ray.get(self.mailbox.put.remote(ready_key(attempt, k, rank), me))
+        reports = _reports_made()
+        if reports is not None:  # the mailbox may drop batch k once a checkpoint reported after it commits
+            self.mailbox.reading_batch.remote(k, reports)
         # read, not taken: a restarted trainer takes the batches after its checkpoint again
-        ref = self._wait(f"batch/{k}/{rank}", attempt, rank, keep=True)
+        ref = self._wait(batch_key(k, rank), attempt, rank, keep=True)
         return ray.get(ref[0])
 
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
@@ -301,6 +313,12 @@ class WeightSync:
         import ray
 
         ray.get(self.mailbox.put_all.remote(items))
+
+    def batches_held(self) -> int:
+        """How many batches the mailbox holds for a trainer restart (`Mailbox.release_batches`)."""
+        import ray
+
+        return int(ray.get(self.mailbox.batches_held.remote()))
 
     def receive(self, alive: Callable[[], None] = lambda: None) -> TrainerUpdate:
         """Wait for the next update every rank of the newest trainer attempt sent (its `version`: the

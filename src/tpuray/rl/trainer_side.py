@@ -5,6 +5,7 @@ failure: the mailbox closed, so the ranks' next call fails and fit() ends; bound
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -12,10 +13,31 @@ from typing import Any
 
 from tpuray.rl.result import RLRunError
 from tpuray.rl.sync import SyncTarget, WeightSync
+from tpuray.train.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 120.0  # for the trainer's workers to end once the run failed
+
+
+class _ReleaseBatches(Callback):
+    """On the driver: once a checkpoint is committed, the mailbox drops the batches a trainer restarting
+    from it cannot ask for again (`Mailbox.release_batches`), so a long run holds only the batches read
+    since its last checkpoint."""
+
+    def __init__(self, mailbox: Any) -> None:
+        self.mailbox = mailbox
+
+    def on_report(self, metrics: dict[str, Any], checkpoint: Any, *, index: int) -> None:
+        import ray
+
+        if checkpoint is None:
+            return
+        try:  # awaited: done before tpuray.train records the checkpoint as the run's latest
+            released = ray.get(self.mailbox.release_batches.remote(index))
+        except ray.exceptions.RayActorError:  # the mailbox is gone: the run is ending, nothing to keep
+            return
+        logger.debug("tpuray.rl: checkpoint %d committed; %d batch(es) released", index, released)
 
 
 class TrainerSide:
@@ -43,11 +65,12 @@ class TrainerSide:
     def start(self, target: SyncTarget) -> None:
         from tpuray.train.torch import TorchTrainer
 
+        callbacks = [*(self.run_config.callbacks or []), _ReleaseBatches(target.mailbox)]
         trainer = TorchTrainer(
             self.train_loop,
             train_loop_config={**self.train_loop_config, "rl": target},
             scaling_config=self.scaling_config,
-            run_config=self.run_config,
+            run_config=dataclasses.replace(self.run_config, callbacks=callbacks),
         )
         out = self._out = {}
 
