@@ -240,57 +240,62 @@ def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
     _no_group_left(pg_leak_check)
 
 
-def test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights(
-    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
-):
-    """Colocated (FSDP2, FailureConfig(max_failures=1)): the slice's host is killed while the engine
-    generates batch 1 (checkpoint 0 committed), taking the trainer's workers, the engine and the pieces
-    of update 1 the mailbox had taken from them. A train loop that does not send its restored weights:
-    the engine started in the restarted attempt's workers (on the other slice) cannot load update 1, and
-    the run ends with an RLRunError saying what to do. One that does (`rl.send(model, version=start)`
-    before its first `rl.batch`): the new engine loads the re-sent update 1, generates batch 1 again and
-    the run completes. Nothing is left."""
+def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> tuple[object, list]:
+    """A colocated RLRun (FSDP2, FailureConfig(max_failures=1)) whose slice's host is killed while the
+    engine generates batch 1 (checkpoint 0 committed), taking the trainer's workers, the engine and the
+    pieces of update 1 the mailbox had taken from them; `resend`: the train loop sends its restored
+    weights before its first `rl.batch`. (its result or RLRunError, rollout_fn's calls)."""
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.checkpoint import join, read_text
+    from tpuray.train.checkpoint import join
 
-    def run(name: str, resend: bool) -> tuple[object, list]:
-        calls: list = []
+    calls: list = []
+    lost: list = []
 
-        def losing_the_host(engine, k: int) -> list:
-            calls.append((k, tuple(engine.group.actors)))
-            if k == 1 and len(calls) == 2:
-                state = join(f"file://{tmp_path}", name, "run_state.json")
-                while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
-                    time.sleep(0.2)
-                actor = engine.group.actors[0]
-                node = ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
-                lost.append(emulated_cluster.kill_host(node))
-            return _greedy(engine)
+    def losing_the_host(engine, k: int) -> list:
+        calls.append((k, tuple(engine.group.actors)))
+        if k == 1 and len(calls) == 2:
+            while _latest_checkpoint(join(f"file://{tmp_path}", name, "run_state.json")) != 0:
+                time.sleep(0.2)
+            actor = engine.group.actors[0]
+            node = ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+            lost.append(cluster.kill_host(node))
+        return _greedy(engine)
 
-        lost: list = []
-        rl = RLRun(
-            RLConfig(
-                RolloutConfig(tiny_models[0], max_model_len=64),
-                ScalingConfig(**SCALING),
-                placement="colocated",
-                weight_sync="object_store",
-            ),
-            _rl_loops.restart_loop,
-            train_loop_config={"path": tiny_models[1], "strategy": "fsdp2", "resend": resend},
-            run_config=RunConfig(
-                storage_path=f"file://{tmp_path}", name=name, failure_config=FailureConfig(max_failures=1)
-            ),
-        )
+    rl = RLRun(
+        RLConfig(
+            RolloutConfig(tiny_models[0], max_model_len=64),
+            ScalingConfig(**SCALING),
+            placement="colocated",
+            weight_sync="object_store",
+        ),
+        _rl_loops.restart_loop,
+        train_loop_config={"path": tiny_models[1], "strategy": "fsdp2", "resend": resend},
+        run_config=RunConfig(
+            storage_path=f"file://{tmp_path}", name=name, failure_config=FailureConfig(max_failures=1)
+        ),
+    )
+    try:
         try:
-            try:
-                return rl.run(3, losing_the_host), calls
-            except RLRunError as e:
-                return e, calls
-        finally:
-            for token in lost:
-                emulated_cluster.restore_host(token)
+            return rl.run(3, losing_the_host), calls
+        except RLRunError as e:
+            return e, calls
+    finally:
+        for token in lost:
+            cluster.restore_host(token)
 
-    error, calls = run("host-lost", resend=False)
+
+@pytest.mark.full(
+    "CI: an update lost with its sender ends a run with what to do "
+    "(test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts), and the colocated host loss "
+    "with the re-sent weights (test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights)"
+)
+def test_colocated_host_lost_without_resent_weights_ends_saying_what_to_do(
+    emulated_cluster, pg_leak_check, tiny_models, tmp_path
+):
+    """A colocated run's host lost (`_host_lost_run`) with a train loop that does not send its restored
+    weights: the engine started in the restarted attempt's workers (on the other slice) cannot load update
+    1, and the run ends with an RLRunError saying what to do. Nothing is left."""
+    error, calls = _host_lost_run(emulated_cluster, tiny_models, tmp_path, "host-lost", resend=False)
     assert isinstance(error, RLRunError), error
     assert re.search(
         r"cannot load update 1, whose pieces were lost with the host.*send its restored weights before "
@@ -301,7 +306,16 @@ def test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights
     assert [k for k, _ in calls] == [0, 1]
     _no_group_left(pg_leak_check)
 
-    result, calls = run("host-lost-resend", resend=True)
+
+def test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+):
+    """A colocated run's host lost (`_host_lost_run`) with a train loop that sends its restored weights
+    (`rl.send(model, version=start)` before its first `rl.batch`): the engine started in the restarted
+    attempt's workers (on the other slice) loads the re-sent update 1, generates batch 1 again and the
+    run completes. Nothing is left."""
+    result, calls = _host_lost_run(emulated_cluster, tiny_models, tmp_path, "host-lost-resend", resend=True)
+    assert not isinstance(result, BaseException), result
     assert [k for k, _ in calls] == [0, 1, 1, 2]  # batch 1 again, by the new engine
     assert calls[1][1] != calls[2][1]  # in the restarted attempt's workers
     assert result.versions == [1, 1, 2, 3]  # update 1 re-sent by the restarted attempt
