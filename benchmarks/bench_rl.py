@@ -21,7 +21,8 @@ each taking only its part, cut in vLLM's layout: pulled, or received over the gr
 the same raw transfer of the bytes its four ranks receive. `--only sync` stops there; `--only transports`
 runs that table alone, for the `--weight-sync` and `--engine` values given (all by default).
 
-Colocated engines (`--only colocated`, not part of `all`): a colocated RLRun per `--engine` (the engine
+Colocated engines (`--only colocated`, not part of `all`): a colocated RLRun per `--engine`, the embedded
+one also at RLConfig(sleep_level=2) between two level-1 runs (the engine
 TP=2 inside the FSDP2 trainer's 2 workers on one slice: embedded, and vLLM through its external launcher),
 the trainer sending the same weights every iteration; the medians of rollout (wake-up, generate, sleep),
 sync and iteration seconds and the bytes sleep freed, side by side, and the vLLM / embedded ratio.
@@ -300,17 +301,26 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as root:
         path = str(_model(args, Path(root)))
         _, trainer = grpo.two_slices(path, max_num_seqs=8)
-        for engine in [e for e in args.engine if e != "vllm" or vllm_available()]:
+        engines = [e for e in args.engine if e != "vllm" or vllm_available()]
+        # the embedded engine also at sleep_level=2 (weights discarded, not copied to the host), alternated
+        setups = [(e, 1) for e in engines] + (
+            [("embedded", 2), ("embedded", 1)] if "embedded" in engines else []
+        )
+        for n, (engine, level) in enumerate(setups):
             rollout = RolloutConfig(path, engine=engine, max_model_len=64, max_num_seqs=8, dtype="float32")
+            config = RLConfig(
+                rollout, trainer, placement="colocated", weight_sync="object_store", sleep_level=level
+            )
             with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
                 result = RLRun(
-                    RLConfig(rollout, trainer, placement="colocated", weight_sync="object_store"),
+                    config,
                     _send_loop,
                     train_loop_config={"path": path},
-                    run_config=RunConfig(storage_path=f"file://{storage}", name=f"colocated-{engine}"),
+                    run_config=RunConfig(storage_path=f"file://{storage}", name=f"colocated-{engine}-{n}"),
                 ).run(args.rounds + 1, rollout_fn)
             steady = result.times[1:]  # the first iteration pays the engine's start
-            out[engine] = (
+            label = engine if level == 1 else f"{engine}, sleep_level=2"
+            out[label if label not in out else f"{label} (again)"] = (
                 statistics.median(t.rollout for t in steady),
                 statistics.median(t.sync for t in steady),
                 statistics.median(t.total for t in steady),
@@ -328,6 +338,10 @@ def print_colocated(results: dict[str, tuple[float, float, float, int]], rounds:
     if {"embedded", "vllm"} <= results.keys():
         ratio = results["vllm"][2] / results["embedded"][2]
         print(f"vLLM / embedded colocated iteration: {ratio:.2f}x")
+    if {"embedded", "embedded, sleep_level=2", "embedded (again)"} <= results.keys():
+        level1 = (results["embedded"][2] + results["embedded (again)"][2]) / 2
+        ratio = results["embedded, sleep_level=2"][2] / level1
+        print(f"embedded colocated iteration, sleep_level=2 / 1 (mean of the two level-1 runs): {ratio:.2f}x")
 
 
 def bench_iterations(iterations: int, *extra: str) -> list:
