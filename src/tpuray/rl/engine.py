@@ -22,14 +22,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tpuray.rl.collective import TransferError
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.protocol import GenerationEngine
+from tpuray.rl.protocol import GenerationEngine, SleepLevel
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
-from tpuray.rl.worker import RolloutWorker, RunnerWeights
+from tpuray.rl.worker import RolloutWorker, RunnerWeights, check_sleep_level
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
@@ -38,7 +38,6 @@ from tpuray.slices.worker_group import SliceWorkerGroup
 logger = logging.getLogger(__name__)
 
 
-SleepLevel = Literal[1, 2]  # RolloutEngine.sleep: weights offloaded to host memory (1) or discarded (2)
 NO_WEIGHTS = (
     "RolloutEngine.{what} after sleep(level=2): the weights were discarded and no update_weights loaded "
     "new ones since; call update_weights with the full state first (or sleep(level=1) to keep them)"
@@ -338,11 +337,7 @@ class RolloutEngine:
         (level 1) or discarded (level 2, vLLM's meaning: for an engine whose next update replaces them all).
         Returns bytes freed over all ranks. `generate` needs `wake_up()`; `update_weights` still works
         (it updates the host copy; after level 2 the next `wake_up` needs one: RuntimeError otherwise)."""
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(
-                f"sleep(level={level!r}) is invalid; valid: 1 (weights kept in host memory), 2 (weights "
-                "discarded: update_weights with the full state before the next generate)"
-            )
+        check_sleep_level(level)
         self._check_open("sleep")
         with self._lock:
             freed = self._on_ranks("sleep", level)

@@ -52,6 +52,11 @@ def batch_key(k: int, rank: int) -> str:
     return f"{BATCH_PREFIX}{k}/{rank}"
 
 
+def batch_of(key: str) -> int | None:
+    """The batch a mailbox key holds (None: not a batch's key)."""
+    return int(key[len(BATCH_PREFIX) :].split("/")[0]) if key.startswith(BATCH_PREFIX) else None
+
+
 def join_key(attempt: int, engine: int, rank: int) -> str:
     """Where trainer rank `rank` of attempt `attempt` learns that engine incarnation `engine` joins their
     tpu_dist group (its first update was handed to the engine)."""
@@ -140,17 +145,16 @@ class Mailbox:
         later one), so it needs no batch read before report `report - 1` was made. Those go (their objects
         with them); a batch read after that, or not read yet, stays. Returns how many batches went."""
         gone = {k for k, n in self.batch_reports.items() if n < report}
-        for key in [k for k in self.values if k.startswith(BATCH_PREFIX)]:
-            if int(key[len(BATCH_PREFIX) :].split("/")[0]) in gone:
-                del self.values[key]
-                self.events.pop(key, None)
+        for key in [k for k in self.values if batch_of(k) in gone]:
+            del self.values[key]
+            self.events.pop(key, None)
         for k in gone:
             del self.batch_reports[k]
         return len(gone)
 
     async def batches_held(self) -> int:
         """How many batches the mailbox holds (each for every rank)."""
-        return len({key.split("/")[1] for key in self.values if key.startswith(BATCH_PREFIX)})
+        return len({batch_of(key) for key in self.values} - {None})
 
     async def replace_engine(self) -> int:
         """A new rollout engine replaced the failed one: its incarnation, and every rank of the newest

@@ -7,9 +7,14 @@ is the same interface over vLLM's engine. Weight updates and sleep / wake-up are
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+
+SleepLevel = Literal[1, 2]
+"""How a rollout engine sleeps (vLLM's levels): 1, its weights copied to host memory first; 2, discarded
+(the next update must replace them all before it generates again). Either way the KV cache is dropped."""
+SLEEP_LEVELS: tuple[int, ...] = get_args(SleepLevel)
 
 
 class SeqChunk(Protocol):

@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import SleepLevel
+from tpuray.rl.protocol import SLEEP_LEVELS, SleepLevel
 from tpuray.rl.sync import TRANSPORTS, Transport
 from tpuray.validation import ConfigError
 
 Placement = Literal["disaggregated", "colocated"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
-SLEEP_LEVELS: tuple[int, ...] = get_args(SleepLevel)
 
 
 @dataclass

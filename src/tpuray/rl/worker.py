@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tpuray.rl.protocol import SLEEP_LEVELS
 from tpuray.rl.weights import (
     WeightMismatchError,
     check_shards,
@@ -28,6 +29,15 @@ from tpuray.rl.weights import (
 )
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
+
+
+def check_sleep_level(level: Any) -> None:
+    """ValueError naming a sleep level that is not one of SLEEP_LEVELS."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(
+            f"sleep(level={level!r}) is invalid; valid: 1 (weights kept in host memory), 2 (weights "
+            "discarded: update_weights with the full state before the next generate)"
+        )
 
 
 def _is_ref(x: Any) -> bool:
@@ -127,10 +137,7 @@ class RunnerWeights:
         the host: for an engine whose next update replaces them all before `wake_up`). Each tensor keeps
         its Python object (the model and cache still hold it) and gets an empty storage. Returns bytes
         freed (0 when already asleep)."""
-        if level not in (1, 2):
-            raise ValueError(
-                f"sleep(level={level!r}) is invalid; valid: 1 (weights kept on the host), 2 (discarded)"
-            )
+        check_sleep_level(level)
         if self.sleep_level:
             return 0
         weights = engine_tensors(self.runner.model)
