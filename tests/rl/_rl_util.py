@@ -1,7 +1,9 @@
-"""Helpers of the tpuray.rl tests: a model's state dict from disk, an engine's greedy tokens."""
+"""Helpers of the tpuray.rl tests: a model's state dict from disk, an engine's greedy tokens, a run's
+latest committed checkpoint."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -21,6 +23,15 @@ def state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def greedy(engine: Any) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+def latest_checkpoint(storage: str, name: str) -> int:
+    """The report index of tpuray.train run `name`'s latest committed checkpoint under `storage` (its
+    run_state.json; -1: none yet)."""
+    from tpuray.train.checkpoint import join, read_text
+
+    latest = json.loads(read_text(join(storage, name, "run_state.json")) or "{}").get("latest_checkpoint")
+    return -1 if latest is None else int(latest)
 
 
 SCALING = TWO_WORKERS_V6E_2X2  # a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2

@@ -5,7 +5,6 @@ replaced: test_sync.py)."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -18,7 +17,7 @@ from tpuray.rl.run import RLConfig, RLRun, RLRunError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)
 
-from _rl_util import SCALING, slice_rollout_config  # noqa: E402
+from _rl_util import SCALING, latest_checkpoint, slice_rollout_config  # noqa: E402
 from _rl_util import greedy as _greedy  # noqa: E402
 from _rl_util import kill as _kill  # noqa: E402
 from _rl_util import state_dict as _state_dict  # noqa: E402
@@ -29,14 +28,6 @@ from _util import alive_actors as _alive  # noqa: E402
 def _no_group_left(pg_leak_check) -> None:
     assert not _alive("TrainWorker") and not _alive("RolloutWorker")
     pg_leak_check()  # ray.util.placement_group_table(): no live group beyond those before the test
-
-
-def _latest_checkpoint(run_state: str) -> int:
-    """The report index of a tpuray.train run's latest committed checkpoint (-1: none yet)."""
-    from tpuray.train.checkpoint import read_text
-
-    latest = json.loads(read_text(run_state) or "{}").get("latest_checkpoint")
-    return -1 if latest is None else int(latest)
 
 
 def test_colocated_run_and_failures(
@@ -53,7 +44,6 @@ def test_colocated_run_and_failures(
 
     from tpuray.rl.colocate import HostedGroup
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.checkpoint import join
 
     # FSDP2 with FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed
     # while the engine generates batch 1, after checkpoint 0 (next iteration: 1) is committed. The
@@ -66,9 +56,8 @@ def test_colocated_run_and_failures(
     def killing(engine, k: int) -> list:
         assert isinstance(engine.group, HostedGroup) and not engine.asleep
         calls.append((k, tuple(engine.group.actors)))
-        state = join(f"file://{tmp_path}", "colocated", "run_state.json")
         # checkpoint k - 1 committed (its batches released first: the IterationStats below)
-        while _latest_checkpoint(state) < k - 1:
+        while latest_checkpoint(f"file://{tmp_path}", "colocated") < k - 1:
             time.sleep(0.2)
         if k == 1 and len(calls) == 2:
             _kill(engine.group.actors[1])  # a trainer worker: the engine's next call fails
@@ -246,7 +235,6 @@ def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> t
     pieces of update 1 the mailbox had taken from them; `resend`: the train loop sends its restored
     weights before its first `rl.batch`. (its result or RLRunError, rollout_fn's calls)."""
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.checkpoint import join
 
     calls: list = []
     lost: list = []
@@ -254,7 +242,7 @@ def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> t
     def losing_the_host(engine, k: int) -> list:
         calls.append((k, tuple(engine.group.actors)))
         if k == 1 and len(calls) == 2:
-            while _latest_checkpoint(join(f"file://{tmp_path}", name, "run_state.json")) != 0:
+            while latest_checkpoint(f"file://{tmp_path}", name) != 0:
                 time.sleep(0.2)
             actor = engine.group.actors[0]
             node = ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))

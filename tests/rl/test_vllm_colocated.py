@@ -8,7 +8,7 @@ import _rl_loops
 import pytest
 import ray.cloudpickle
 import torch
-from _rl_util import GREEDY, PROMPTS, SCALING
+from _rl_util import GREEDY, PROMPTS, SCALING, latest_checkpoint
 
 from tpuray.serve.llm.engine.vllm import vllm_available
 
@@ -111,7 +111,6 @@ def test_a_dead_trainer_worker_with_colocated_vllm(
     RolloutEngineError. Without trainer restarts the run ends with RLRunError; with one, the trainer
     resumes from checkpoint 0 (at iteration 1) and a new vLLM engine starts in the new workers with
     update 1, generates batch 1 again and the run completes. No worker or placement group is left."""
-    import json
     import time
 
     from _rl_util import kill
@@ -120,15 +119,13 @@ def test_a_dead_trainer_worker_with_colocated_vllm(
     from tpuray.rl import RLConfig, RLRun, RolloutConfig
     from tpuray.rl.run import RLRunError
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
-    from tpuray.train.checkpoint import join, read_text
 
     calls: list = []
 
     def rollout_fn(engine, k: int) -> list:
         calls.append((k, tuple(engine.group.actors)))
         if k == 1 and len(calls) == 2:
-            state = join(f"file://{tmp_path}", "colocated-vllm", "run_state.json")
-            while json.loads(read_text(state) or "{}").get("latest_checkpoint") != 0:
+            while latest_checkpoint(f"file://{tmp_path}", "colocated-vllm") != 0:
                 time.sleep(0.2)
             kill(engine.group.actors[1])
         return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
