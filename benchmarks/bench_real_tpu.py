@@ -318,8 +318,11 @@ def bench_weights(args) -> None:
     runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
     + commit (copy into the weights on the chip), against the raw transfer of the same bytes (each tensor
     `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
-    then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep levels 1 (weights copied
-    to the host) and 2 (discarded), alternated, with the allocator's count of live bytes on the device."""
+    then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep level 1 (weights copied
+    to the host) once, and at level 2 (discarded) with the trainer's weights on the chip taken over the
+    host (stage + commit of the full state, as the object store delivers it) or handed over in process
+    (`tpuray.rl.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
+    allocator's count of live bytes on the device."""
     from tpuray.rl.weights import engine_tensors
     from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
@@ -356,20 +359,36 @@ def bench_weights(args) -> None:
         in_place_vs_raw=figures["in_place_s"] / raw,
     )
     live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
-    for level in (1, 2, 1, 2):  # a colocated hand-over at each sleep level, alternated
-        report("rl_handover", level=level, **handover(weights, state, level, live))
+    report("rl_handover", level=1, path="host", **handover(weights, update, 1, live))
+    # the trainer's weights on the chip: over the host (the object store's path: stage + commit of the
+    # full state from the host) against the in-process hand-over (tpuray.rl.handover: cut and fused on
+    # the chip, adopted at wake-up), alternated
+    on_chip = {k: t.to(args.device) for k, t in state.items()}
+    for path in ("host", "in_process", "host", "in_process"):
+        take = update if path == "host" else (lambda: hand_over(weights, on_chip))
+        report("rl_handover", level=2, path=path, **handover(weights, take, 2, live))
 
 
-def handover(weights, state, level: int, live) -> dict:
+def hand_over(weights, on_chip) -> None:
+    """A colocated rank's in-process hand-over of the trainer's weights `on_chip` (`tpuray.rl.handover`:
+    what weight_sync="tpu_dist" does colocated), taken by the engine rank (stage + commit)."""
+    from tpuray.rl import handover
+
+    handover.keep("bench", handover.rank_shards(on_chip, 0, 1, weights.config))
+    weights.stage_pieces([handover.Handed("bench")])
+    weights.commit()
+
+
+def handover(weights, take, level: int, live) -> dict:
     """One colocated hand-over (the engine's side of an RLRun iteration): sleep at `level`, an update of
-    the full state taken while asleep (stage + commit), wake-up; seconds of each, bytes freed."""
+    the full state taken while asleep (`take`: stage + commit), wake-up; seconds of each, bytes freed."""
     before = live()
     t0 = time.perf_counter()
     freed = weights.sleep(level)
     sync()
     t1, asleep = time.perf_counter(), live()
-    weights.stage(state)
-    weights.commit()
+    take()
+    sync()
     t2 = time.perf_counter()
     retaken = weights.wake_up()
     sync()

@@ -21,11 +21,13 @@ each taking only its part, cut in vLLM's layout: pulled, or received over the gr
 the same raw transfer of the bytes its four ranks receive. `--only sync` stops there; `--only transports`
 runs that table alone, for the `--weight-sync` and `--engine` values given (all by default).
 
-Colocated engines (`--only colocated`, not part of `all`): a colocated RLRun per `--engine`, the embedded
-one also at RLConfig(sleep_level=2) between two level-1 runs (the engine
-TP=2 inside the FSDP2 trainer's 2 workers on one slice: embedded, and vLLM through its external launcher),
-the trainer sending the same weights every iteration; the medians of rollout (wake-up, generate, sleep),
-sync and iteration seconds and the bytes sleep freed, side by side, and the vLLM / embedded ratio.
+Colocated engines (`--only colocated`, not part of `all`): colocated RLRuns (the engine TP=2 inside the
+FSDP2 trainer's 2 workers on one slice), the trainer sending the same weights every iteration: the
+embedded engine over each `--weight-sync` (object_store: pieces through the object store, owned by the
+mailbox; tpu_dist: the in-process hand-over, `tpuray.rl.handover`) at RLConfig(sleep_level=1), then 2,
+then 1 again, and vLLM (its external launcher, object_store); the medians of rollout (wake-up,
+generate, sleep), sync and iteration seconds and the bytes sleep freed, side by side, and the ratios
+(vLLM / embedded, tpu_dist / object_store, level 2 / level 1).
 
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
                                             [--only all|sync|transports|colocated]
@@ -302,14 +304,21 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
         path = str(_model(args, Path(root)))
         _, trainer = grpo.two_slices(path, max_num_seqs=8)
         engines = [e for e in args.engine if e != "vllm" or vllm_available()]
-        # the embedded engine also at sleep_level=2 (weights discarded, not copied to the host), alternated
-        setups = [(e, 1) for e in engines] + (
-            [("embedded", 2), ("embedded", 1)] if "embedded" in engines else []
+        # the embedded engine over each transport at sleep_level 1, then 2, then 1 again (alternated);
+        # colocated vLLM takes "object_store" only
+        embedded = [("embedded", level, t) for level in (1, 2, 1) for t in args.weight_sync]
+        setups = (embedded[: len(args.weight_sync)] if "embedded" in engines else []) + (
+            [("vllm", 1, "object_store")] if "vllm" in engines else []
         )
-        for n, (engine, level) in enumerate(setups):
+        setups += embedded[len(args.weight_sync) :] if "embedded" in engines else []
+        for n, (engine, level, transport) in enumerate(setups):
             rollout = RolloutConfig(path, engine=engine, max_model_len=64, max_num_seqs=8, dtype="float32")
             config = RLConfig(
-                rollout, trainer, placement="colocated", weight_sync="object_store", sleep_level=level
+                rollout,
+                trainer,
+                placement="colocated",
+                weight_sync=transport,  # type: ignore[arg-type]
+                sleep_level=level,  # type: ignore[arg-type]
             )
             with tempfile.TemporaryDirectory(prefix="bench-rl-run-") as storage:
                 result = RLRun(
@@ -319,7 +328,7 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
                     run_config=RunConfig(storage_path=f"file://{storage}", name=f"colocated-{engine}-{n}"),
                 ).run(args.rounds + 1, rollout_fn)
             steady = result.times[1:]  # the first iteration pays the engine's start
-            label = engine if level == 1 else f"{engine}, sleep_level=2"
+            label = f"{engine}, {transport}, sleep_level={level}"
             out[label if label not in out else f"{label} (again)"] = (
                 statistics.median(t.rollout for t in steady),
                 statistics.median(t.sync for t in steady),
@@ -335,13 +344,28 @@ def print_colocated(results: dict[str, tuple[float, float, float, int]], rounds:
     print("|---|---|---|---|---|")
     for engine, (rollout, sync, total, freed) in results.items():
         print(f"| {engine} | {rollout:.3f} | {sync:.3f} | {total:.3f} | {freed / 1e6:.1f} |")
-    if {"embedded", "vllm"} <= results.keys():
-        ratio = results["vllm"][2] / results["embedded"][2]
-        print(f"vLLM / embedded colocated iteration: {ratio:.2f}x")
-    if {"embedded", "embedded, sleep_level=2", "embedded (again)"} <= results.keys():
-        level1 = (results["embedded"][2] + results["embedded (again)"][2]) / 2
-        ratio = results["embedded, sleep_level=2"][2] / level1
-        print(f"embedded colocated iteration, sleep_level=2 / 1 (mean of the two level-1 runs): {ratio:.2f}x")
+    level1 = {t: _mean_of(results, f"embedded, {t}, sleep_level=1") for t in ("object_store", "tpu_dist")}
+    vllm = results.get("vllm, object_store, sleep_level=1")
+    if vllm is not None and level1["object_store"] is not None:
+        print(f"vLLM / embedded colocated iteration (object_store): {vllm[2] / level1['object_store']:.2f}x")
+    if level1["object_store"] is not None and level1["tpu_dist"] is not None:
+        ratio = level1["tpu_dist"] / level1["object_store"]
+        print(
+            f"embedded colocated iteration, tpu_dist (in-process hand-over) / object_store, level 1: {ratio:.2f}x"
+        )
+    for transport, mean in level1.items():
+        level2 = results.get(f"embedded, {transport}, sleep_level=2")
+        if mean is not None and level2 is not None:
+            print(
+                f"embedded colocated iteration over {transport}, sleep_level=2 / 1 (mean of the two level-1 "
+                f"runs): {level2[2] / mean:.2f}x"
+            )
+
+
+def _mean_of(results: dict[str, tuple[float, float, float, int]], label: str) -> float | None:
+    """The mean iteration seconds of a setup's runs (`label` and `label (again)`), None if it did not run."""
+    runs = [results[k][2] for k in (label, f"{label} (again)") if k in results]
+    return statistics.mean(runs) if runs else None
 
 
 def bench_iterations(iterations: int, *extra: str) -> list:

@@ -7,7 +7,8 @@ from tensors on the chip, as a colocated run sends them) and must then give the 
 tokens for b, with no program rebuilt; a misshapen update is refused and changes nothing; asleep, the
 weights and the KV cache leave the chip (the device allocator's count falls by the bytes `sleep` reports)
 and an update made meanwhile is on the chip after `wake_up`; at sleep level 2 the weights are discarded
-instead of copied to the host, and the update taken asleep is what wakes up."""
+instead of copied to the host, and the update taken asleep is what wakes up; handed over in process
+(`tpuray.rl.handover`), the trainer's shards cut on the chip become the weights at wake-up."""
 
 from __future__ import annotations
 
@@ -94,4 +95,29 @@ def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
         weights.wake_up()
     assert weights.stage(state_b) > 0 and weights.commit() > 0 and weights.wake_up() == freed
     assert _greedy(chip) == want_b
-    assert chip.compilations == built  # updates and sleep rebuilt no program
+    _hand_over_on_the_chip(weights, tpu, a, freed)
+    assert _greedy(chip) == want_a
+    assert chip.compilations == built  # updates, sleep and the hand-over rebuilt no program
+
+
+def _hand_over_on_the_chip(weights, tpu, path: str, freed: int) -> None:
+    """A colocated hand-over over weight_sync="tpu_dist" (`tpuray.rl.handover`): the trainer's weights
+    (`path`'s) on the chip are cut and fused there by the trainer rank and left in the process; the
+    engine, asleep at level 2, takes those shards and wakes up with them as its weights (no copy): the
+    shards stay on the chip, and wake-up allocates only the KV cache."""
+    from tpuray.rl import handover
+    from tpuray.serve.llm.engine.embedded.model import load_state_dict
+
+    on_chip = {n: t.to(tpu) for n, t in load_state_dict(path).items()}
+    assert weights.sleep(2) == freed
+    shards = handover.rank_shards(on_chip, 0, 1, weights.config)
+    assert {t.device.type for t in shards.values()} == {"tpu"}
+    handover.keep("update", shards)
+    assert weights.stage_pieces([handover.Handed("update")]) > 0 and weights.commit() > 0
+    held = _device_bytes()
+    shard_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in shards.values()}.values())
+    del shards
+    assert weights.wake_up() == freed
+    woke = _device_bytes()
+    print(f"hand-over: shards {shard_bytes} bytes; wake-up allocated {woke - held} of the {freed} freed")
+    assert woke - held < freed - shard_bytes // 2  # the weights were adopted, not allocated again

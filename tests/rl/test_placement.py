@@ -229,11 +229,14 @@ def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(
     _no_group_left(pg_leak_check)
 
 
-def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> tuple[object, list]:
+def _host_lost_run(
+    cluster, tiny_models, tmp_path, name: str, resend: bool, weight_sync: str
+) -> tuple[object, list]:
     """A colocated RLRun (FSDP2, FailureConfig(max_failures=1)) whose slice's host is killed while the
-    engine generates batch 1 (checkpoint 0 committed), taking the trainer's workers, the engine and the
-    pieces of update 1 the mailbox had taken from them; `resend`: the train loop sends its restored
-    weights before its first `rl.batch`. (its result or RLRunError, rollout_fn's calls)."""
+    engine generates batch 1 (checkpoint 0 committed), taking the trainer's workers, the engine and
+    update 1 (the pieces the mailbox had taken from them over "object_store", the shards handed over in
+    their processes over "tpu_dist"); `resend`: the train loop sends its restored weights before its
+    first `rl.batch`. (its result or RLRunError, rollout_fn's calls)."""
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
 
     calls: list = []
@@ -254,7 +257,7 @@ def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> t
             RolloutConfig(tiny_models[0], max_model_len=64),
             ScalingConfig(**SCALING),
             placement="colocated",
-            weight_sync="object_store",
+            weight_sync=weight_sync,  # type: ignore[arg-type]
         ),
         _rl_loops.restart_loop,
         train_loop_config={"path": tiny_models[1], "strategy": "fsdp2", "resend": resend},
@@ -277,16 +280,25 @@ def _host_lost_run(cluster, tiny_models, tmp_path, name: str, resend: bool) -> t
     "(test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts), and the colocated host loss "
     "with the re-sent weights (test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights)"
 )
+@pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
 def test_colocated_host_lost_without_resent_weights_ends_saying_what_to_do(
-    emulated_cluster, pg_leak_check, tiny_models, tmp_path
+    emulated_cluster, pg_leak_check, tiny_models, tmp_path, weight_sync
 ):
     """A colocated run's host lost (`_host_lost_run`) with a train loop that does not send its restored
     weights: the engine started in the restarted attempt's workers (on the other slice) cannot load update
-    1, and the run ends with an RLRunError saying what to do. Nothing is left."""
-    error, calls = _host_lost_run(emulated_cluster, tiny_models, tmp_path, "host-lost", resend=False)
+    1 (its pieces were in the lost host's object store, or its shards in the lost processes), and the run
+    ends with an RLRunError saying what to do. Nothing is left."""
+    error, calls = _host_lost_run(
+        emulated_cluster,
+        tiny_models,
+        tmp_path,
+        f"host-lost-{weight_sync}",
+        resend=False,
+        weight_sync=weight_sync,
+    )
     assert isinstance(error, RLRunError), error
     assert re.search(
-        r"cannot load update 1, whose pieces were lost with the host.*send its restored weights before "
+        r"cannot load update 1, whose pieces were lost with the worker or host.*send its restored weights before "
         r"its first rl.batch",
         str(error),
         re.DOTALL,
@@ -301,8 +313,12 @@ def test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights
     """A colocated run's host lost (`_host_lost_run`) with a train loop that sends its restored weights
     (`rl.send(model, version=start)` before its first `rl.batch`): the engine started in the restarted
     attempt's workers (on the other slice) loads the re-sent update 1, generates batch 1 again and the
-    run completes. Nothing is left."""
-    result, calls = _host_lost_run(emulated_cluster, tiny_models, tmp_path, "host-lost-resend", resend=True)
+    run completes. Over "tpu_dist" (the default), whose in-process hand-over (FSDP2's rows gathered over
+    the trainer's group, each rank's shards left for the engine rank in its process) gives every
+    update's tokens. Nothing is left."""
+    result, calls = _host_lost_run(
+        emulated_cluster, tiny_models, tmp_path, "host-lost-resend", resend=True, weight_sync="tpu_dist"
+    )
     assert not isinstance(result, BaseException), result
     assert [k for k, _ in calls] == [0, 1, 1, 2]  # batch 1 again, by the new engine
     assert calls[1][1] != calls[2][1]  # in the restarted attempt's workers

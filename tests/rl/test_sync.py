@@ -4,6 +4,7 @@ and the pieces' checks, in process."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -87,10 +88,6 @@ def test_rl_config_refuses_bad_values(tiny_models):
             {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0]), "trainer": ScalingConfig()},
             r"colocated' needs one TPU slice for the trainer: ScalingConfig\(use_tpu=False",
         ),
-        (  # the default transport: colocated has no second side for its process group to span
-            {"placement": "colocated", "rollout": RolloutConfig(tiny_models[0])},
-            "weight_sync='tpu_dist' is invalid with placement='colocated'.*valid: weight_sync='object_store'",
-        ),
         ({"overlap": "yes"}, "overlap='yes' is invalid"),
         ({"weight_sync": "nccl"}, "weight_sync='nccl' is invalid; valid: object_store, tpu_dist"),
         ({"trainer": ScalingConfig(num_workers=2)}, "use_tpu=False"),
@@ -112,10 +109,14 @@ def test_rl_config_refuses_bad_values(tiny_models):
         with pytest.raises(ConfigError, match=named):
             RLConfig(**{**ok, **bad})
     restarts = RunConfig(failure_config=FailureConfig(max_failures=1))
-    colocated = RLConfig(
-        RolloutConfig(tiny_models[0]), ok["trainer"], placement="colocated", weight_sync="object_store"
-    )
-    for config in (colocated, RLConfig(**ok)):  # trainer restarts: both placements (test_placement.py)
+    colocated = RLConfig(RolloutConfig(tiny_models[0]), ok["trainer"], placement="colocated")
+    assert colocated.weight_sync == "tpu_dist"  # the default colocated too: the in-process hand-over
+    stored = dataclasses.replace(colocated, weight_sync="object_store")
+    for config in (
+        colocated,
+        stored,
+        RLConfig(**ok),
+    ):  # trainer restarts: both placements (test_placement.py)
         RLRun(config, _rl_loops.rl_loop, run_config=restarts)
 
 

@@ -86,7 +86,7 @@ head = engine_tensors(weights.runner.model)["lm_head"]
 assert torch.equal(head, state["lm_head.weight"]), "b's lm_head is in the engine"
 # level 2: discarded; an update is checked against the shapes the weights had, then held for wake_up
 shards = {k: t.clone() for k, t in engine_tensors(weights.runner.model).items()}
-assert weights.sleep(2) > 0 and weights.host_copy is None
+assert weights.sleep(2) > 0 and weights.restore is None
 bad = dict(shards, lm_head=shards["lm_head"][:-1])
 try:
     weights.stage_shards(bad)
@@ -100,6 +100,20 @@ except RuntimeError as e:
     assert "needs a weight update first" in str(e) and weights.asleep, e
 assert weights.stage_shards(shards) > 0 and weights.commit() > 0 and weights.wake_up() > 0
 assert all(torch.equal(t, shards[k]) for k, t in engine_tensors(weights.runner.model).items())
+# a colocated hand-over: the shards a trainer rank cut for this rank in this process, adopted at wake-up
+from tpuray.rl import handover
+
+mine = handover.rank_shards(load_state_dict(a), 0, 1, weights.config)
+handover.keep("w-1", mine)
+assert weights.sleep(2) > 0 and weights.stage_pieces([handover.Handed("w-1")]) > 0 and weights.commit() > 0
+assert weights.wake_up() > 0
+engine = engine_tensors(weights.runner.model)
+assert all(t.data_ptr() == mine[k].data_ptr() for k, t in engine.items()), "adopted, not copied"
+try:
+    weights.stage_pieces([handover.Handed("w-1")])  # taken already
+    raise AssertionError("a hand-over was taken twice")
+except handover.HandOverLost as e:
+    assert "'w-1' is not in this process" in str(e), e
 print("ok", weights.version, "ray" in sys.modules)
 """
 
@@ -107,7 +121,9 @@ print("ok", weights.version, "ray" in sys.modules)
 def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
     """`RunnerWeights` (the in-process engine's updates and sleep) never imports Ray: a TPU VM runs it in
     one process where Ray is not installed (tests/real_tpu/test_rollout_weights.py runs it there). Sleep
-    at level 2 discards the weights: an update is checked against their shapes, and wake_up needs one."""
+    at level 2 discards the weights: an update is checked against their shapes, and wake_up needs one. A
+    colocated hand-over's shards (`tpuray.rl.handover`) become the weights at wake-up without a copy,
+    and are taken once."""
     import subprocess
     import sys
 
@@ -118,4 +134,24 @@ def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["ok", "3", "False"]
+    assert out.stdout.split()[-3:] == ["ok", "4", "False"]
+
+
+def test_a_hand_over_cuts_the_shards_the_engine_loads_from_disk(tiny_models):
+    """`handover.rank_shards` (a colocated trainer rank; one rank here: several run the same over their
+    process group in tests/rl/test_placement.py) gives exactly the shards `ShardedLlama` loads, in
+    tensors of their own (never the trainer's); a misshapen tensor is refused naming it, before any
+    collective."""
+    from tpuray.rl import handover
+
+    path = tiny_models[0]
+    config = json.loads((Path(path) / "config.json").read_text())
+    state = load_state_dict(path)
+    shards = handover.rank_shards(state, 0, 1, config)
+    pointers = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert not pointers & {t.untyped_storage().data_ptr() for t in shards.values()}
+    for key, t in engine_tensors(ShardedLlama(path, 0, 1)).items():
+        assert torch.equal(shards[key], t), key
+    bad = dict(state, **{"lm_head.weight": state["lm_head.weight"][:-1]})
+    with pytest.raises(WeightMismatchError, match="lm_head.weight"):
+        handover.rank_shards(bad, 0, 2, config)

@@ -208,8 +208,8 @@ def two_slices(path: str, max_num_seqs: int) -> tuple[Any, Any]:
 
 def rl_config(args: argparse.Namespace, path: str) -> Any:
     """The `RLConfig` of `--trainer tpuray`: `two_slices` (disaggregated, weight_sync "tpu_dist"), or with
-    `--colocate` the trainer's slice of it alone, the engine (TP=2) in its two workers ("object_store",
-    colocated's one transport)."""
+    `--colocate` the trainer's slice of it alone, the engine (TP=2) in its two workers (weight_sync
+    "tpu_dist": each rank hands its engine rank its shards in process)."""
     import dataclasses
 
     from tpuray.rl import RLConfig
@@ -218,7 +218,7 @@ def rl_config(args: argparse.Namespace, path: str) -> Any:
     if not args.colocate:
         return RLConfig(rollout, trainer, overlap=args.overlap)
     on_trainer = dataclasses.replace(rollout, accelerator_type=None, topology=None, chips_per_worker=1)
-    return RLConfig(on_trainer, trainer, placement="colocated", weight_sync="object_store")
+    return RLConfig(on_trainer, trainer, placement="colocated")
 
 
 def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:

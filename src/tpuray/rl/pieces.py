@@ -10,6 +10,7 @@ rank's side: it joins the pieces every trainer rank sent into its parts.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -20,18 +21,12 @@ def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, in
     """(this rank's local rows, where they live: on the device, their first global row), or None when
     another rank sends the tensor (replicated: rank 0 sends it). A DTensor must be `Shard(0)` or
     `Replicate()` on a 1-D mesh (what FSDP2's `fully_shard` makes)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(t, DTensor):
         return (t.detach(), 0) if rank == 0 else None
-    placements = tuple(t.placements)
-    if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
-        raise WeightMismatchError(
-            f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
-            "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
-        )
     local = t.to_local().detach()
-    if placements[0] == Replicate():
+    if dtensor_placement(name, t) == Replicate():
         return (local, 0) if rank == 0 else None
     lo, hi = part_range(t.shape[0], t.device_mesh.get_local_rank(), t.device_mesh.size())
     if local.shape[0] != hi - lo:
@@ -40,6 +35,20 @@ def _row_offset(name: str, t: torch.Tensor, rank: int) -> tuple[torch.Tensor, in
             f"{t.device_mesh.size()} ranks gives rows [{lo}, {hi})"
         )
     return local, lo
+
+
+def dtensor_placement(name: str, t: Any) -> Any:
+    """The one placement of DTensor `name` (`t`): `Shard(0)` or `Replicate()` on a 1-D mesh (what FSDP2's
+    `fully_shard` makes), else WeightMismatchError naming it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(t.placements)
+    if t.device_mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
+        raise WeightMismatchError(
+            f"weight sync: {name!r} is a DTensor with placements {placements} on a {t.device_mesh.ndim}-D "
+            "mesh; valid: Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard)"
+        )
+    return placements[0]
 
 
 def trainer_pieces(

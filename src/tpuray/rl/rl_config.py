@@ -35,20 +35,24 @@ class RLConfig:
     """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
     batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""
     weight_sync: Transport = "tpu_dist"
-    """How the trainer's weights reach the rollout engine's workers; either way each trainer rank sends
-    every rollout tensor-parallel rank only the rows of its part that it holds, no copy passes the
-    driver, and a name or shape mismatch is refused before anything is overwritten.
+    """How the trainer's weights reach the rollout engine's workers; either way each rollout
+    tensor-parallel rank gets only its part, no copy passes the driver, and a name or shape mismatch is
+    refused before anything is overwritten.
     "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
-    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend, TCPStore rendezvous on the
-    driver) spanning the trainer's and the engine's workers; only the pieces' metadata passes the
-    driver, the ranks send the data point to point at once and each rollout rank checks what it received
-    before staging it (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the
-    group and receives only the pieces of its tensor-parallel part, cut in vLLM's layout.
-    "object_store": every trainer rank `ray.put`s one object per rollout rank, only the ObjectRefs pass
-    the driver, each rollout rank pulls its objects and checks them (no process group between the two
-    sides: use it where the slices cannot reach each other's TCP ports). It is the one transport of
-    placement="colocated" (the engine's ranks are the trainer's own processes: there is no second side
-    for a process group to span), which refuses "tpu_dist": pass weight_sync="object_store" there."""
+    docs/rl.md): a torch.distributed process group (the "tpu_dist" backend). Disaggregated, it spans the
+    trainer's and the engine's workers (TCPStore rendezvous on the driver): only the pieces' metadata
+    passes the driver, the trainer ranks send every rollout rank the rows of its part they hold, point to
+    point at once, and each rollout rank checks what it received before staging it
+    (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
+    only its part, cut in vLLM's layout. Colocated (embedded engine), it is the trainer's own group: the
+    ranks gather each tensor where it lives (on the chips) and each leaves its engine rank's part in its
+    own process, which the engine takes without a copy (`tpuray.rl.handover`; nothing crosses the host
+    link, no object is put); the update then lives only in its sender's process, so a restarted trainer
+    must send its restored weights again (docs/rl.md "Colocated restarts").
+    "object_store": every trainer rank `ray.put`s one object per rollout rank (colocated: the mailbox
+    owns them, so an update outlives a lost trainer worker), only the ObjectRefs pass the driver, and
+    each rollout rank pulls its objects and checks them (no process group between the two sides: use it
+    where the slices cannot reach each other's TCP ports). Colocated vLLM takes this one only."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     rollout_max_failures: int = 0
@@ -155,12 +159,12 @@ class RLConfig:
                 f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
                 "valid: use_tpu=True on one slice"
             )
-        if self.weight_sync != "object_store":
+        if self.weight_sync == "tpu_dist" and rollout.resolved_engine == "vllm":
             raise ConfigError(
-                f"RLConfig.weight_sync={self.weight_sync!r} is invalid with placement='colocated': its "
-                "process group spans the trainer's and the engine's workers, and colocated they are the same "
-                "processes (each rank's pieces go to its own engine rank through its host's object store); "
-                "valid: weight_sync='object_store'"
+                "RLConfig.weight_sync='tpu_dist' is invalid with placement='colocated' and a vLLM rollout "
+                "engine (the in-process hand-over fills the embedded engine's tensors; vLLM's workers load "
+                "their parts through their own loaders); valid: weight_sync='object_store', or "
+                "RolloutConfig(engine='embedded')"
             )
 
     @property

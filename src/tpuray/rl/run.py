@@ -103,6 +103,8 @@ class RLRun:
                 self.config.sync_timeout_s,
                 self.config.weight_sync,
                 vllm_config=self._vllm_config(),
+                colocated=self.config.placement == "colocated",
+                model_config=self._handover_config(),
             )
         except BaseException:
             self._shutdown_engine()
@@ -110,8 +112,7 @@ class RLRun:
                 claim.close()
             raise
         try:
-            colocated = self.config.placement == "colocated"
-            self._trainer.start(dataclasses.replace(sync.target, iterations=iterations, colocated=colocated))
+            self._trainer.start(dataclasses.replace(sync.target, iterations=iterations))
             batches, times = self._loop(sync, iterations, rollout_fn)
             return RLResult(self._trainer.result(), batches, times, self._rollout_restarts, self._versions)
         except BaseException as e:
@@ -152,6 +153,13 @@ class RLRun:
     def _vllm_config(self) -> dict | None:
         """The model config a vLLM engine's layout is cut by (None: the embedded engine's layout)."""
         if self.config.rollout.resolved_engine != "vllm":
+            return None
+        return self.config.rollout.model_config()
+
+    def _handover_config(self) -> dict | None:
+        """The model config a colocated embedded engine's shards are cut by on the trainer's ranks, over
+        "tpu_dist" (`tpuray.rl.handover`; None otherwise)."""
+        if self.config.placement != "colocated" or self.config.weight_sync != "tpu_dist":
             return None
         return self.config.rollout.model_config()
 
@@ -228,8 +236,8 @@ class RLRun:
                 self._shutdown_engine()
                 raise RLRunError(
                     f"the RL run ended: the engine started in trainer attempt {attempt}'s workers cannot "
-                    f"load update {self._last_update.version}, whose pieces were lost with the host that "
-                    f"held them ({e}); a train loop that resumes from a checkpoint should send its restored "
+                    f"load update {self._last_update.version}, whose pieces were lost with the worker or "
+                    f"host that held them ({e}); a train loop that resumes from a checkpoint should send its restored "
                     "weights before its first rl.batch (rl.send(model, version=<the checkpoint's version>)): "
                     "the new engine then loads those"
                 ) from e

@@ -47,6 +47,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from tpuray.rl import handover
 from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
 from tpuray.rl.mailbox import Mailbox, batch_key, join_key, ready_key, resend_key, stage, weight_key
 from tpuray.rl.pieces import model_state, trainer_pieces
@@ -138,6 +139,9 @@ class SyncTarget:
     channel: Channel | None = None  # weight_sync "tpu_dist": the group's rendezvous; None: object store
     colocated: bool = False  # of an RLRun: the rollout engine runs in the trainer's workers
     vllm_config: Mapping[str, Any] | None = None  # the engine is vLLM: pieces cut in its layout (config.json)
+    # colocated over "tpu_dist": the engine's config.json; each rank hands its engine rank its shards in
+    # process (`tpuray.rl.handover`)
+    handover_config: Mapping[str, Any] | None = None
 
     @property
     def part(self) -> PartFn:
@@ -169,12 +173,40 @@ class SyncTarget:
         import ray
 
         rank, attempt = _rank(), _attempt()
+        key = weight_key(attempt, "weights", version, rank)
+        if self.handover_config is not None:  # colocated over tpu_dist: in this process, on the device
+            shards = handover.rank_shards(
+                model_state(model), rank, self.tensor_parallel_size, self.handover_config
+            )
+            handover.keep(key, shards)
+            nbytes = [0] * self.tensor_parallel_size
+            nbytes[rank] = sum(t.numel() * t.element_size() for t in shards.values())
+            markers = [handover.Handed(key) if r == rank else None for r in range(self.tensor_parallel_size)]
+            ray.get(self.mailbox.put.remote(key, (markers, nbytes)))
+        else:
+            nbytes = self._send_pieces(model, key, rank, attempt, version)
+        error = self._wait(weight_key(attempt, "ack", version, rank), attempt, rank)
+        if error is not None:
+            raise WeightMismatchError(error)
+        return sum(nbytes)
+
+    def _send_pieces(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        key: str,
+        rank: int,
+        attempt: int,
+        version: int,
+    ) -> list[int]:
+        """Cut this rank's pieces for every rollout rank and send them (object store, or tpu_dist's
+        group); colocated, hand them to the mailbox, which owns them. Returns bytes per rollout rank."""
+        import ray
+
         packed_later = self.channel is not None and not self.colocated  # tpu_dist: pack copies them
         pieces = trainer_pieces(
             model_state(model), rank, self.tensor_parallel_size, self.part, compact=not packed_later
         )
         nbytes = [sum(t.numel() * t.element_size() for _, t in p.values()) for p in pieces]
-        key = weight_key(attempt, "weights", version, rank)
         if self.colocated:  # owned by the mailbox: the next engine may load them after this rank is gone
             if any(pieces):
                 stage(key, [p for p in pieces if p])
@@ -190,10 +222,7 @@ class SyncTarget:
             sent = _Sent(version, offers, nbytes, [f for _, f in packed], engine=-1)
             _LAST_SENT[(self.channel.host, self.channel.port)] = sent
             self._offer(sent, attempt, rank)
-        error = self._wait(weight_key(attempt, "ack", version, rank), attempt, rank)
-        if error is not None:
-            raise WeightMismatchError(error)
-        return sum(nbytes)
+        return nbytes
 
     def _offer(self, sent: _Sent, attempt: int, rank: int) -> None:
         """tpu_dist: put the update's metadata in the mailbox, then send its data into the group of the
@@ -285,17 +314,29 @@ class WeightSync:
         timeout_s: float = 600.0,
         transport: Transport = "object_store",
         vllm_config: Mapping[str, Any] | None = None,
+        colocated: bool = False,
+        model_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """`colocated`: the engine runs in the trainer's workers (an RLRun's colocated placement): over
+        "object_store" the mailbox owns each rank's pieces; over "tpu_dist" each rank hands its shards to
+        the embedded engine's rank in its process (`tpuray.rl.handover`), cut by `model_config` (the
+        engine's config.json)."""
         import ray
 
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid; valid: {', '.join(TRANSPORTS)}")
+        in_process = colocated and transport == "tpu_dist"
+        if in_process and (model_config is None or vllm_config is not None):
+            raise ValueError(
+                "a colocated weight sync over 'tpu_dist' hands shards to the embedded engine in process: "
+                "it needs the engine's model_config and no vllm_config (colocated vLLM: 'object_store')"
+            )
         self.world_size = trainer_world_size
         self.formed: set[tuple[int, int]] = set()  # tpu_dist: (trainer attempt, engine) groups told to form
         self._pending_update: Any = None  # the mailbox's take_update call, while no update came of it
         self.rendezvous = (
             Rendezvous(trainer_world_size, tensor_parallel_size, timeout_s)
-            if transport == "tpu_dist"
+            if transport == "tpu_dist" and not colocated
             else None
         )
         self.mailbox = (
@@ -305,7 +346,13 @@ class WeightSync:
         )
         channel = self.rendezvous.channel if self.rendezvous is not None else None
         self.target = SyncTarget(
-            self.mailbox, tensor_parallel_size, timeout_s, channel=channel, vllm_config=vllm_config
+            self.mailbox,
+            tensor_parallel_size,
+            timeout_s,
+            channel=channel,
+            colocated=colocated,
+            vllm_config=vllm_config,
+            handover_config=model_config if in_process else None,
         )
 
     def put_all(self, items: Mapping[str, Any]) -> None:

@@ -107,14 +107,14 @@ def check_state(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]
         )
 
 
-def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+def shapes_of(state: Mapping[str, Any], dtensors: bool = False) -> dict[str, tuple[int, ...]]:
     """name -> shape of a state dict; a value that is not a full floating-point tensor is a
-    WeightMismatchError."""
+    WeightMismatchError (`dtensors`: a DTensor counts, by its global shape)."""
     out = {}
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise WeightMismatchError(f"weight update: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if type(t).__name__ == "DTensor":
+        if type(t).__name__ == "DTensor" and not dtensors:
             raise WeightMismatchError(
                 f"weight update: {name!r} is a DTensor (an FSDP2 / tensor-parallel trainer's shard); send "
                 "full tensors (DTensor.full_tensor()), or send each rank's shard with tpuray.rl.SyncTarget.send "

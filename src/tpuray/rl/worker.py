@@ -10,6 +10,7 @@ staged update.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,9 +72,11 @@ class RunnerWeights:
         self.config = json.loads((Path(model_path) / "config.json").read_text())
         self.rank, self.world_size = rank, world_size
         self.staged: dict[str, torch.Tensor] | None = None
+        self.staged_owned = False  # the staged shards are the engine's to keep (a colocated hand-over)
         self.sleep_level = 0  # 0 awake; 1 asleep, weights on the host; 2 asleep, weights discarded
-        # while asleep: the weights on the host (level 1), or the update committed since (level 2)
-        self.host_copy: dict[str, torch.Tensor] | None = None
+        # while asleep, what wake_up restores: the weights copied to the host (level 1), or an update
+        # committed since (a host copy, or the handed-over shards themselves where they were made)
+        self.restore: dict[str, torch.Tensor] | None = None
         self.shapes: _Holder | None = None  # while asleep: the weights' shapes and dtypes (meta tensors)
         self.freed: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # while asleep: (tensor, shape)
         self.version = 0  # updates committed
@@ -88,40 +91,54 @@ class RunnerWeights:
         self.staged = shard_state(state, self.config, self.rank, self.world_size)
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
-    def stage_shards(self, shards: Any) -> int:
+    def stage_shards(self, shards: Any, owned: bool = False) -> int:
         """Stage this rank's pre-cut shards (a `put_shards` object, resolved by Ray); checked against the
-        model's tensors (or their shapes while asleep) like `stage`."""
+        model's tensors (or their shapes while asleep) like `stage`. `owned`: the shards are the engine's
+        to keep (a colocated hand-over made them for it): cast to the weights' dtypes where they differ,
+        and kept as they are when committed while asleep (no copy; `wake_up` adopts them)."""
         self.staged = None
         if _is_ref(shards):
             shards = sys.modules["ray"].get(shards)
-        check_shards(shards, self.runner.model if self.shapes is None else self.shapes)
-        self.staged = dict(shards)
+        model = self.runner.model if self.shapes is None else self.shapes
+        check_shards(shards, model)
+        if owned:
+            dtypes = {k: t.dtype for k, t in engine_tensors(model).items()}
+            shards = {k: t.to(dtype=dtypes[k]) for k, t in shards.items()}
+        self.staged, self.staged_owned = dict(shards), owned
         return sum(t.numel() * t.element_size() for t in self.staged.values())
 
     def stage_pieces(self, refs: Any, channel: Any = None) -> int:
         """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
         `TrainerUpdate`'s refs for this rank; received over its tpu_dist `channel` when it has one);
-        checked like `stage_shards`."""
+        checked like `stage_shards`. A colocated hand-over's marker (`tpuray.rl.handover.Handed`) stages
+        the shards the trainer rank in this process left for it, owned."""
+        from tpuray.rl import handover
+
+        self.staged = None
+        if handover.is_handed(refs):
+            return self.stage_shards(handover.take(list(refs)), owned=True)
         from tpuray.rl.sync import resolve_pieces
         from tpuray.rl.weights import assemble
 
-        self.staged = None
         pieces = resolve_pieces(refs, channel, self.rank)
         # reused buffers: the staged shards are committed or discarded before the next update
         shards = assemble(pieces, self.config, self.rank, self.world_size, reuse=True)
         return self.stage_shards(shards)
 
     def commit(self) -> int:
-        """Copy the staged shards into the model (asleep: into the host copy, or at level 2 into a host
-        copy of their own, which wake_up moves to the device); returns bytes written."""
+        """Copy the staged shards into the model; returns bytes written. Asleep, the update waits for
+        wake_up: owned shards as they are, others copied into what it restores (the host copy, or owned
+        shards taken before), or at level 2 into a host copy of their own (they may be reused buffers)."""
         if self.staged is None:
             raise RuntimeError("commit_weights without a staged update (call stage_weights first)")
         staged, self.staged = self.staged, None
-        if self.sleep_level == 2 and self.host_copy is None:  # the staged tensors may be reused buffers
-            self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in staged.items()}
-            written = sum(t.numel() * t.element_size() for t in self.host_copy.values())
-        elif self.host_copy is not None:  # asleep: the update waits on the host, wake_up moves it
-            written = copy_shards(_Holder(self.host_copy), staged)
+        written = sum(t.numel() * t.element_size() for t in staged.values())
+        if self.asleep and self.staged_owned:
+            self.restore = staged
+        elif self.asleep and self.restore is None:
+            self.restore = {k: t.detach().to("cpu", copy=True) for k, t in staged.items()}
+        elif self.restore is not None:  # asleep
+            written = copy_shards(_Holder(self.restore), staged)
         else:
             written = copy_shards(self.runner.model, staged)
         self.version += 1
@@ -143,7 +160,7 @@ class RunnerWeights:
         weights = engine_tensors(self.runner.model)
         self.shapes = _Holder({k: torch.empty_like(t, device="meta") for k, t in weights.items()})
         if level == 1:
-            self.host_copy = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+            self.restore = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
         freed, seen = 0, set()
         for t in [*weights.values(), *self.runner.cache.k, *self.runner.cache.v]:
             if id(t) in seen:  # tied embeddings: one tensor under two names
@@ -158,28 +175,44 @@ class RunnerWeights:
     def wake_up(self) -> int:
         """Retake the device memory and restore the weights (level 1: with any update made while asleep;
         level 2: the update made while asleep, which must exist: RuntimeError, still asleep, otherwise);
-        the KV cache comes back zeroed. Returns bytes retaken (0 when awake)."""
+        the KV cache comes back zeroed. A restored tensor already on the weights' device, of their dtype
+        and shape, becomes the weight itself (handed-over shards: no copy); others are copied in. Returns
+        bytes retaken (0 when awake)."""
         if not self.sleep_level:
             return 0
-        if self.host_copy is None:
+        if self.restore is None:
             raise RuntimeError(
                 "wake_up after sleep(level=2) needs a weight update first: the weights were discarded "
                 "(update_weights with the full state, then wake_up; or sleep(level=1) to keep them)"
             )
         freed, self.freed = self.freed, []
-        retaken = 0
-        for t, shape in freed:
-            t.data = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            retaken += t.numel() * t.element_size()
+        shapes = {id(t): shape for t, shape in freed}
         with torch.no_grad():
-            for key, t in engine_tensors(self.runner.model).items():
-                t.copy_(self.host_copy[key])
-        self.host_copy, self.shapes, self.sleep_level = None, None, 0
-        return retaken
+            weights = engine_tensors(self.runner.model)
+            for key, t in weights.items():
+                t.data = _restored(self.restore[key], shapes[id(t)], t)
+            for t in {id(t): t for t in [*self.runner.cache.k, *self.runner.cache.v]}.values():
+                t.data = torch.zeros(shapes[id(t)], dtype=t.dtype, device=t.device)
+        self.restore, self.shapes, self.sleep_level = None, None, 0
+        return sum(math.prod(shape) * t.element_size() for t, shape in freed)
 
     @property
     def asleep(self) -> bool:
         return self.sleep_level != 0
+
+
+def _restored(src: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The storage a waking weight gets: `src` itself where it can serve as the weight (every tensor
+    `wake_up` restores from is the engine's own: a copy it made, or shards handed over to it), else a
+    new tensor on the weight's device holding `src`'s values."""
+    if (
+        src.device == like.device
+        and src.dtype == like.dtype
+        and tuple(src.shape) == shape
+        and src.is_contiguous()
+    ):
+        return src.detach()
+    return torch.empty(shape, dtype=like.dtype, device=like.device).copy_(src)
 
 
 class _Holder:
