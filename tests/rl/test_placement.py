@@ -116,6 +116,49 @@ def test_colocated_run_and_failures(
 
 
 @pytest.mark.full(
+    "CI: the in-process hand-over of an FSDP2 run "
+    "(test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights); refusals before "
+    "anything is written (rl/test_weights.py, rl/test_rollout_engine.py)"
+)
+def test_colocated_ddp_hands_over_rank_0s_weights_and_refuses_a_missing_tensor(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+):
+    """Colocated DDP over the default weight_sync="tpu_dist" (the in-process hand-over): every rank
+    takes rank 0's tensors (broadcast over the trainer's group) and hands its engine rank its part;
+    the engine, asleep at level 2, wakes up with them: batch 1 has the sent model's tokens. Update 2
+    misses a tensor: every rank refuses it before any collective, naming it, and the run ends with
+    RLRunError. Nothing is left."""
+    from tpuray.train import RunConfig, ScalingConfig
+
+    batches: list = []
+
+    def rollout(engine, k: int) -> list:
+        batches.append(_greedy(engine))
+        return batches[-1]
+
+    rl = RLRun(
+        RLConfig(
+            RolloutConfig(tiny_models[0], max_model_len=64),
+            ScalingConfig(**SCALING),
+            placement="colocated",
+            sleep_level=2,
+        ),
+        _rl_loops.rl_loop,
+        train_loop_config={
+            "path": tiny_models[1],
+            "strategy": "ddp",
+            "drop": "model.norm.weight",
+            "drop_at": 1,
+        },
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="colocated-ddp"),
+    )
+    with pytest.raises(RLRunError, match=r"tensor 'model.norm.weight' .* is missing"):
+        rl.run(3, rollout)
+    assert batches == [reference[w] for w in "ab"]  # update 1 (model b) handed over, in place by batch 1
+    _no_group_left(pg_leak_check)
+
+
+@pytest.mark.full(
     "CI: a killed trainer worker restarts the trainer and its engine from the last update "
     "(test_colocated_run_and_failures)"
 )
