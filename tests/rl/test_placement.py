@@ -115,19 +115,27 @@ def test_colocated_run_and_failures(
     _no_group_left(pg_leak_check)
 
 
-@pytest.mark.full(
-    "CI: the in-process hand-over of an FSDP2 run "
-    "(test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights); refusals before "
-    "anything is written (rl/test_weights.py, rl/test_rollout_engine.py)"
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "fsdp2",
+        pytest.param(
+            "ddp",
+            marks=pytest.mark.full(
+                "CI: the same over FSDP2 ([fsdp2]); tpu_dist's broadcast (runtime/test_dist.py)"
+            ),
+        ),
+    ],
 )
-def test_colocated_ddp_hands_over_rank_0s_weights_and_refuses_a_missing_tensor(
-    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
+def test_colocated_hands_over_rank_shards_and_refuses_a_missing_tensor(
+    emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path, strategy
 ):
-    """Colocated DDP over the default weight_sync="tpu_dist" (the in-process hand-over): every rank
-    takes rank 0's tensors (broadcast over the trainer's group) and hands its engine rank its part;
-    the engine, asleep at level 2, wakes up with them: batch 1 has the sent model's tokens. Update 2
-    misses a tensor: every rank refuses it before any collective, naming it, and the run ends with
-    RLRunError. Nothing is left."""
+    """Colocated over the default weight_sync="tpu_dist" (the in-process hand-over): every rank takes
+    each tensor whole over the trainer's group (FSDP2: its Shard(0) rows gathered, `full_tensor()`; DDP:
+    rank 0's broadcast) and hands its engine rank its part in its own process; the engine, asleep at
+    level 2, wakes up with them: batch 1 has the sent model's tokens. Update 2 misses a tensor: every
+    rank refuses it before any collective, naming it, and the run ends with RLRunError. Nothing is
+    left."""
     from tpuray.train import RunConfig, ScalingConfig
 
     batches: list = []
@@ -146,11 +154,11 @@ def test_colocated_ddp_hands_over_rank_0s_weights_and_refuses_a_missing_tensor(
         _rl_loops.rl_loop,
         train_loop_config={
             "path": tiny_models[1],
-            "strategy": "ddp",
+            "strategy": strategy,
             "drop": "model.norm.weight",
             "drop_at": 1,
         },
-        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="colocated-ddp"),
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name=f"colocated-{strategy}"),
     )
     with pytest.raises(RLRunError, match=r"tensor 'model.norm.weight' .* is missing"):
         rl.run(3, rollout)
@@ -320,8 +328,8 @@ def _host_lost_run(
 
 @pytest.mark.full(
     "CI: an update lost with its sender ends a run with what to do "
-    "(test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts), and the colocated host loss "
-    "with the re-sent weights (test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights)"
+    "(test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts), and a colocated restart in "
+    "new workers (test_colocated_run_and_failures)"
 )
 @pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
 def test_colocated_host_lost_without_resent_weights_ends_saying_what_to_do(
@@ -350,6 +358,12 @@ def test_colocated_host_lost_without_resent_weights_ends_saying_what_to_do(
     _no_group_left(pg_leak_check)
 
 
+@pytest.mark.full(
+    "CI: the in-process hand-over of an FSDP2 run "
+    "(test_colocated_hands_over_rank_shards_and_refuses_a_missing_tensor[fsdp2]), a colocated restart in new "
+    "workers (test_colocated_run_and_failures), an update lost with its sender "
+    "(test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts)"
+)
 def test_colocated_host_lost_restarts_on_the_other_slice_with_the_resent_weights(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path
 ):

@@ -14,6 +14,10 @@ from tpuray.slices.demand import DEMAND_ENV
 from tpuray.topology import SliceTopology
 
 
+@pytest.mark.full(
+    "CI: emulated v5e slices brought up and reserved by the autoscaler (emulator/test_autoscale.py), every "
+    "generation's labels and names (topology/, k8s/), reservations on the v6e layouts"
+)
 def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
     cluster = cluster_manager.get(SliceRequest("v5e", "2x2", count=2))
     infos = list_slices()

@@ -83,7 +83,19 @@ def _slice_of(cluster, node_id: str) -> str:
     return next(sl.name for sl in cluster.slices if node_id in sl.node_ids)
 
 
-@pytest.mark.parametrize("how", ["notice", "hard-kill"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(
+            "notice",
+            marks=pytest.mark.full(
+                "CI: the slice hard-killed while workers start ([hard-kill]), and a preemption notice "
+                "mid-run resuming on the spare (train/test_preemption.py)"
+            ),
+        ),
+        "hard-kill",
+    ],
+)
 def test_slice_lost_while_workers_start_resumes_on_the_spare(
     emulated_cluster, pg_leak_check, tmp_path, how: str
 ) -> None:

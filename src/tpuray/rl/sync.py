@@ -8,7 +8,10 @@ the pieces addressed to it from every trainer rank, checks and assembles them, a
 shards (the engine's all-or-nothing stage / commit). Transport "tpu_dist" (`tpuray.rl.collective`): only
 the pieces' metadata travels through the mailbox; the trainer ranks send the data at once over a process
 group spanning both sides, and rollout rank r receives it when the driver hands it the metadata, then
-checks, assembles and stages as above. No full copy of the state on the driver.
+checks, assembles and stages as above. No full copy of the state on the driver. Colocated over
+"tpu_dist" (the engine's ranks are the trainer's processes), each rank builds its own engine rank's
+shards over the trainer's group and leaves them in its process (`tpuray.rl.handover`): only a marker
+passes the mailbox.
 
 - sharded trainer (FSDP2 / DTensor with `Shard(0)` on a 1-D mesh): every rank sends the rows it holds;
 - replicated trainer (DDP, or one worker): rank 0 sends the full state, the other ranks nothing.
@@ -170,25 +173,34 @@ class SyncTarget:
     def send(self, model: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> int:
         """Send this rank's part of the model's weights as update `version` and wait until the engine
         committed it (or refused it: WeightMismatchError). Call on every trainer rank. Returns bytes sent."""
-        import ray
 
         rank, attempt = _rank(), _attempt()
         key = weight_key(attempt, "weights", version, rank)
         if self.handover_config is not None:  # colocated over tpu_dist: in this process, on the device
-            shards = handover.rank_shards(
-                model_state(model), rank, self.tensor_parallel_size, self.handover_config
-            )
-            handover.keep(key, shards)
-            nbytes = [0] * self.tensor_parallel_size
-            nbytes[rank] = sum(t.numel() * t.element_size() for t in shards.values())
-            markers = [handover.Handed(key) if r == rank else None for r in range(self.tensor_parallel_size)]
-            ray.get(self.mailbox.put.remote(key, (markers, nbytes)))
+            nbytes = self._hand_over(model, key, rank)
         else:
             nbytes = self._send_pieces(model, key, rank, attempt, version)
         error = self._wait(weight_key(attempt, "ack", version, rank), attempt, rank)
         if error is not None:
             raise WeightMismatchError(error)
         return sum(nbytes)
+
+    def _hand_over(
+        self, model: torch.nn.Module | Mapping[str, torch.Tensor], key: str, rank: int
+    ) -> list[int]:
+        """Colocated over tpu_dist: leave this rank's engine rank its shards in this process and put a
+        `Handed` marker for it in the mailbox (`tpuray.rl.handover`). Returns bytes per rollout rank."""
+        import ray
+
+        assert self.handover_config is not None
+        tp = self.tensor_parallel_size
+        shards = handover.rank_shards(model_state(model), rank, tp, self.handover_config)
+        handover.keep(key, shards)
+        nbytes = [0] * tp
+        nbytes[rank] = sum(t.numel() * t.element_size() for t in shards.values())
+        markers = [handover.Handed(key) if r == rank else None for r in range(tp)]
+        ray.get(self.mailbox.put.remote(key, (markers, nbytes)))
+        return nbytes
 
     def _send_pieces(
         self,
