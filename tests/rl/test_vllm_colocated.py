@@ -39,12 +39,16 @@ def _hf_greedy(path: str, tokenizer) -> list[list[int]]:
     "CI: the colocated RLRun with the embedded engine (rl/test_placement.py), vLLM as a disaggregated "
     "rollout engine (full tier: rl/test_vllm_rollout.py), vLLM's weight layout (rl/test_vllm_parts.py)"
 )
-def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_check, vllm_models, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
+def test_colocated_vllm_takes_turns_with_the_trainer(
+    emulated_cluster, pg_leak_check, vllm_models, tmp_path, weight_sync
+):
     """vLLM TP=2 in the two workers of an FSDP2 trainer on one v6e 2x2: before batch 0, a full state dict
     (b's, then a misshapen one refused with b's kept, then a's again); batch 0 with model a's weights,
-    then the trainer's updates (model b, each rank's Shard(0) rows cut in vLLM's layout) loaded into
-    each vLLM rank in its own process; the tokens are those of Hugging Face's greedy decoding of a, then
-    of b. vLLM's CPU backend has no sleep mode, so each rank frees its KV cache's memory between
+    then the trainer's updates (model b: over "object_store" each rank's Shard(0) rows cut in vLLM's
+    layout, pulled by every vLLM rank; over "tpu_dist" each vLLM rank's part gathered over the trainer's
+    group and left in its process, `tpuray.rl.handover`) loaded into each vLLM rank in its own process;
+    the tokens are those of Hugging Face's greedy decoding of a, then of b. vLLM's CPU backend has no sleep mode, so each rank frees its KV cache's memory between
     rollouts: freed > 0 every iteration. Nothing is left."""
     from _rl_util import state_dict
     from transformers import AutoTokenizer
@@ -85,16 +89,17 @@ def test_colocated_vllm_takes_turns_with_the_trainer(emulated_cluster, pg_leak_c
 
     rollout = RolloutConfig(a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
     rl = RLRun(
-        RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync=weight_sync),
         _rl_loops.rl_loop,
         train_loop_config={"path": b, "strategy": "fsdp2"},
-        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="colocated-vllm"),
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name=f"colocated-vllm-{weight_sync}"),
     )
     result = rl.run(2, rollout_fn)
     assert result.versions == [1, 2]
     assert result.batches == [want["a"], want["b"]]  # update 1 (b) loaded in place, on-policy
     assert len({id(e) for e in engines}) == 1  # one engine, woken up for each batch
-    assert all(t.freed > 0 for t in result.times) and [t.senders for t in result.times] == [2, 2]
+    senders = 2 if weight_sync == "object_store" else 1  # in process: each rank's own trainer rank
+    assert all(t.freed > 0 for t in result.times) and [t.senders for t in result.times] == [senders] * 2
     assert not alive_actors("TrainWorker")
     pg_leak_check()
 

@@ -1,8 +1,9 @@
 """Colocated weight hand-over without the object store (`RLConfig(placement="colocated",
 weight_sync="tpu_dist")`): each trainer rank builds its own rollout rank's shards where the trainer's
 tensors live (on the chip), exchanging rows with the other ranks over the trainer's own process group,
-and leaves them in its process for the engine rank that runs there; only a `Handed` marker passes the
-mailbox and the driver. The engine rank takes the shards as they are (`RunnerWeights.stage_shards(...,
+and leaves them in its process for the engine rank that runs there (`rank_shards`; for colocated vLLM its
+unfused part of each tensor in vLLM's layout, `rank_pieces`, which vLLM's worker joins as it joins
+received pieces); only a `Handed` marker passes the mailbox and the driver. The engine rank takes the shards as they are (`RunnerWeights.stage_shards(...,
 owned=True)`): awake it copies them into its weights on the device; asleep it keeps them and adopts them
 as its weights at `wake_up` (no copy). Nothing crosses the host link, and no object is put.
 
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 
 from tpuray.rl.collective import TransferError
-from tpuray.rl.pieces import dtensor_placement
-from tpuray.rl.weights import WeightMismatchError, check_state, cut, fuse, shapes_of
+from tpuray.rl.pieces import dtensor_placement, row_pieces
+from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, check_state, cut, fuse, shapes_of
 
 
 class HandOverLost(TransferError):
@@ -47,17 +48,18 @@ class Handed:
     key: str
 
 
-_HANDED: dict[str, dict[str, torch.Tensor]] = {}  # this process's latest hand-over, by key
+_HANDED: dict[str, dict[str, Any]] = {}  # this process's latest hand-over, by key
 
 
-def keep(key: str, shards: dict[str, torch.Tensor]) -> None:
-    """Leave `shards` for this process's engine rank under `key` (an earlier, untaken hand-over goes)."""
+def keep(key: str, update: dict[str, Any]) -> None:
+    """Leave `update` (`rank_shards`' or `rank_pieces`') for this process's engine rank under `key` (an
+    earlier, untaken hand-over goes)."""
     _HANDED.clear()
-    _HANDED[key] = shards
+    _HANDED[key] = update
 
 
-def take(markers: list[Any]) -> dict[str, torch.Tensor]:
-    """The shards a `Handed` marker names, taken (HandOverLost when this process holds none under it)."""
+def take(markers: list[Any]) -> dict[str, Any]:
+    """The update a `Handed` marker names, taken (HandOverLost when this process holds none under it)."""
     if len(markers) != 1 or not isinstance(markers[0], Handed):
         raise WeightMismatchError(f"a colocated hand-over is one Handed marker per rank, got {markers!r}")
     shards = _HANDED.pop(markers[0].key, None)
@@ -87,6 +89,22 @@ def rank_shards(
         for name, t in state.items()
     }
     return fuse(parts, config)
+
+
+def rank_pieces(
+    state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any], part: PartFn
+) -> dict[str, Piece]:
+    """As `rank_shards`, in the layout of `part` (vLLM's: `tpuray.rl.vllm_layout.vllm_part`) and unfused:
+    this trainer rank's rollout rank's part of each tensor as the one piece a sender holding every row
+    would send it (`tpuray.rl.pieces.row_pieces`), for the engine's own join (`join_pieces`)."""
+    check_state(shapes_of(state, dtensors=True), config)
+    out: dict[str, Piece] = {}
+    for name, t in state.items():
+        whole = _whole(name, t, rank, world_size)
+        piece = row_pieces(name, whole, 0, tuple(whole.shape), world_size, part, compact=False)[rank]
+        if piece is not None:
+            out[name] = (piece[0], _own(piece[1]))
+    return out
 
 
 def _whole(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -44,15 +44,16 @@ class RLConfig:
     passes the driver, the trainer ranks send every rollout rank the rows of its part they hold, point to
     point at once, and each rollout rank checks what it received before staging it
     (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
-    only its part, cut in vLLM's layout. Colocated (embedded engine), it is the trainer's own group: the
-    ranks gather each tensor where it lives (on the chips) and each leaves its engine rank's part in its
-    own process, which the engine takes without a copy (`tpuray.rl.handover`; nothing crosses the host
-    link, no object is put); the update then lives only in its sender's process, so a restarted trainer
-    must send its restored weights again (docs/rl.md "Colocated restarts").
+    only its part, cut in vLLM's layout. Colocated, it is the trainer's own group: the ranks gather each
+    tensor where it lives (on the chips) and each leaves its engine rank's part in its own process
+    (`tpuray.rl.handover`; nothing crosses the host link, no object is put): the embedded engine takes
+    its fused shards without a copy, vLLM's worker joins its part as it joins received pieces. The update
+    then lives only in its sender's process, so a restarted trainer must send its restored weights again
+    (docs/rl.md "Colocated restarts").
     "object_store": every trainer rank `ray.put`s one object per rollout rank (colocated: the mailbox
     owns them, so an update outlives a lost trainer worker), only the ObjectRefs pass the driver, and
     each rollout rank pulls its objects and checks them (no process group between the two sides: use it
-    where the slices cannot reach each other's TCP ports). Colocated vLLM takes this one only."""
+    where the slices cannot reach each other's TCP ports)."""
     sync_timeout_s: float = 600.0
     """How long a trainer rank waits for a batch or for the engine to take its weights."""
     rollout_max_failures: int = 0
@@ -158,13 +159,6 @@ class RLConfig:
                 f"RLConfig.placement='colocated' needs one TPU slice for the trainer: "
                 f"ScalingConfig(use_tpu={trainer.use_tpu!r}, num_slices={trainer.num_slices!r}); "
                 "valid: use_tpu=True on one slice"
-            )
-        if self.weight_sync == "tpu_dist" and rollout.resolved_engine == "vllm":
-            raise ConfigError(
-                "RLConfig.weight_sync='tpu_dist' is invalid with placement='colocated' and a vLLM rollout "
-                "engine (the in-process hand-over fills the embedded engine's tensors; vLLM's workers load "
-                "their parts through their own loaders); valid: weight_sync='object_store', or "
-                "RolloutConfig(engine='embedded')"
             )
 
     @property

@@ -157,8 +157,8 @@ class RLRun:
         return self.config.rollout.model_config()
 
     def _handover_config(self) -> dict | None:
-        """The model config a colocated embedded engine's shards are cut by on the trainer's ranks, over
-        "tpu_dist" (`tpuray.rl.handover`; None otherwise)."""
+        """The model config a colocated engine's parts are cut by on the trainer's ranks, over "tpu_dist"
+        (`tpuray.rl.handover`; None otherwise)."""
         if self.config.placement != "colocated" or self.config.weight_sync != "tpu_dist":
             return None
         return self.config.rollout.model_config()

@@ -193,11 +193,16 @@ class SyncTarget:
         import ray
 
         assert self.handover_config is not None
-        tp = self.tensor_parallel_size
-        shards = handover.rank_shards(model_state(model), rank, tp, self.handover_config)
-        handover.keep(key, shards)
+        tp, state, config = self.tensor_parallel_size, model_state(model), self.handover_config
+        if self.vllm_config is None:  # the embedded engine's fused shards, adopted as they are
+            tensors = handover.rank_shards(state, rank, tp, config)
+            handover.keep(key, tensors)
+        else:  # vLLM's part of each tensor, joined by its worker
+            pieces = handover.rank_pieces(state, rank, tp, config, self.part)
+            handover.keep(key, pieces)
+            tensors = {name: t for name, (_, t) in pieces.items()}
         nbytes = [0] * tp
-        nbytes[rank] = sum(t.numel() * t.element_size() for t in shards.values())
+        nbytes[rank] = sum(t.numel() * t.element_size() for t in tensors.values())
         markers = [handover.Handed(key) if r == rank else None for r in range(tp)]
         ray.get(self.mailbox.put.remote(key, (markers, nbytes)))
         return nbytes
@@ -300,6 +305,8 @@ def resolve_pieces(refs: Any, channel: Channel | None = None, rank: int = 0) -> 
     tpu_dist group (`channel`) from the trainer ranks that offered them."""
     import ray
 
+    if handover.is_handed(refs):  # colocated over tpu_dist: left in this process by its trainer rank
+        return [handover.take(list(refs))]
     if channel is None:
         return list(ray.get([r for r in refs if r is not None]))
     return member(channel, channel.rollout_rank(rank)).recv_all(list(refs))
@@ -330,18 +337,18 @@ class WeightSync:
         model_config: Mapping[str, Any] | None = None,
     ) -> None:
         """`colocated`: the engine runs in the trainer's workers (an RLRun's colocated placement): over
-        "object_store" the mailbox owns each rank's pieces; over "tpu_dist" each rank hands its shards to
-        the embedded engine's rank in its process (`tpuray.rl.handover`), cut by `model_config` (the
-        engine's config.json)."""
+        "object_store" the mailbox owns each rank's pieces; over "tpu_dist" each rank hands the engine's
+        rank in its process its part (`tpuray.rl.handover`), cut by `model_config` (the engine's
+        config.json; in vLLM's layout where `vllm_config` is given too)."""
         import ray
 
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid; valid: {', '.join(TRANSPORTS)}")
         in_process = colocated and transport == "tpu_dist"
-        if in_process and (model_config is None or vllm_config is not None):
+        if in_process and model_config is None:
             raise ValueError(
-                "a colocated weight sync over 'tpu_dist' hands shards to the embedded engine in process: "
-                "it needs the engine's model_config and no vllm_config (colocated vLLM: 'object_store')"
+                "a colocated weight sync over 'tpu_dist' hands each engine rank its part in process: it "
+                "needs the engine's model_config (config.json)"
             )
         self.world_size = trainer_world_size
         self.formed: set[tuple[int, int]] = set()  # tpu_dist: (trainer attempt, engine) groups told to form

@@ -7,8 +7,9 @@ A chip is opened by one process, so vLLM cannot start workers of its own on the 
 vLLM makes its tensor-parallel group; the driver reaches each rank through Ray's `__ray_call__`
 (`colocate.HostedGroup`). Every rank runs the same `generate` over the same prompts (vLLM's external
 launcher needs identical, seeded requests on all ranks) and rank 0's outputs are returned. Updates: each
-rank takes its own pieces of a `TrainerUpdate` (object store), or all of a full state dict put once,
-through tpuray's vLLM worker extension, called in process; then all commit (vLLM's `reload_weights`).
+rank takes its own pieces of a `TrainerUpdate` (from the object store, or over tpu_dist left in its
+process by its trainer rank: `tpuray.rl.handover`), or all of a full state dict put once, through
+tpuray's vLLM worker extension, called in process; then all commit (vLLM's `reload_weights`).
 
 sleep / wake_up: vLLM's own sleep mode where the platform has one; on vLLM's CPU backend (its CPU build
 and emulated TPU slices), which has none, each rank frees its KV cache's memory itself (the cache
@@ -217,8 +218,9 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
         return [Rollout(list(p), *out) for p, out in zip(ids, results[0], strict=True)]
 
     def _update_workers(self, update: Any) -> int:
-        """An RLRun's TrainerUpdate (object store: each rank pulls its own pieces) or a full state dict
-        (checked on the driver already; put once, every rank stages all of it), then every rank commits."""
+        """An RLRun's TrainerUpdate (object store: each rank pulls its own pieces; tpu_dist: each takes the
+        part its trainer rank left in its process, `tpuray.rl.handover`) or a full state dict (checked on
+        the driver already; put once, every rank stages all of it), then every rank commits."""
         import ray
 
         group = self._engine.group
@@ -228,8 +230,8 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
             staged = ray.get(group.call("stage_weights", ray.put(pack_state(update))))
         else:
             raise WeightMismatchError(
-                "colocated vLLM takes a state dict (name -> torch.Tensor) or an RLRun's TrainerUpdate over "
-                f"weight_sync='object_store', got {type(update).__name__}"
+                "colocated vLLM takes a state dict (name -> torch.Tensor) or an RLRun's TrainerUpdate "
+                f"(made colocated: no tpu_dist channel), got {type(update).__name__}"
             )
         refusal = stage_refusal(staged, self.version)
         if refusal is not None:
