@@ -11,7 +11,6 @@ import asyncio
 import logging
 import shutil
 
-import httpx
 import pytest
 from _configs import in_process_server
 from _vllm_fields import CH, VLLM_REFUSED, C
@@ -237,30 +236,4 @@ def test_vllms_request_fields_are_all_honoured_or_refused():
         assert not missing, f"{theirs.__name__}: {sorted(missing)}"
 
 
-# -- log_engine_metrics=False, through a real Serve app ---------------------------------------------------
-
-
-def test_log_engine_metrics_false_exports_no_engine_metrics(serve_url, tiny_model_dir):
-    from prometheus_client.parser import text_string_to_metric_families
-    from ray import serve
-
-    from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-
-    config = LLMConfig(
-        model_loading_config={"model_id": "quiet", "model_source": tiny_model_dir},
-        llm_engine="embedded",
-        engine_kwargs={"max_model_len": 64, "max_num_seqs": 2},
-        log_engine_metrics=False,
-    )
-    try:
-        serve.run(build_openai_app(LLMServingArgs(llm_configs=[config])), name="quiet", route_prefix="/")
-        url = serve_url
-        body = {"model": "quiet", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        text = httpx.get(url + "/metrics", timeout=60).text
-        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-        assert "http_requests_total" in names  # /metrics works and counts the request ...
-        assert not {n for n in names if n.startswith("vllm:")}  # ... but records no engine metric
-    finally:
-        serve.delete("quiet")
+# log_engine_metrics=False through a real Serve app: serve/test_serve_openai.py (its one-model app)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
@@ -33,8 +34,10 @@ def server(serve_url, tiny_model_dir):
     before = set(live_placement_groups())
     config = tiny_tp4_config(tiny_model_dir)  # workers launch ahead (the default; off: /single)
     # the one-model app: one engine worker holding its slice's 4 chips (one process to start, not 4),
-    # stepping synchronously (the engine's other path)
-    one_worker = tiny_tp4_config(tiny_model_dir, chips_per_worker=4, async_scheduling=False)
+    # stepping synchronously (the engine's other path), recording no engine metrics
+    one_worker = dataclasses.replace(
+        tiny_tp4_config(tiny_model_dir, chips_per_worker=4, async_scheduling=False), log_engine_metrics=False
+    )
     single_args = LLMServingArgs(llm_configs=[one_worker], api_key="")
     assert single_args.single_deployment
     try:
@@ -433,6 +436,23 @@ def test_tp4_logprobs_equal_transformers(client, tiny_model_dir):
             assert abs(value - ref[token].item()) < 1e-4
             ids.append(token)
     assert len(lp.token_logprobs) == 6
+
+
+def test_log_engine_metrics_false_exports_no_engine_metrics(single, client):
+    """LLMConfig(log_engine_metrics=False) (the one-model app's): its /metrics works and counts the
+    request, but records no engine metric, while the other app's engine records them."""
+    c = openai.OpenAI(base_url=single + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert (
+        c.completions.create(
+            model="tiny", prompt="Hello", max_tokens=3, temperature=0
+        ).usage.completion_tokens
+        == 3
+    )
+    quiet = _scrape(single)
+    assert "http_requests_total" in quiet  # /metrics works and counts the request ...
+    assert not [n for n in quiet if n.startswith("vllm:")], sorted(quiet)  # ... but no engine metric
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+    assert "vllm:generation_tokens_total" in _scrape(single.removesuffix("/single"))
 
 
 def _scrape(server: str) -> dict[str, dict]:
