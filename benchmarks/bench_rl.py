@@ -25,7 +25,7 @@ Colocated engines (`--only colocated`, not part of `all`): colocated RLRuns (the
 FSDP2 trainer's 2 workers on one slice), the trainer sending the same weights every iteration: the
 embedded engine over each `--weight-sync` (object_store: pieces through the object store, owned by the
 mailbox; tpu_dist: the in-process hand-over, `tpuray.rl.handover`) at RLConfig(sleep_level=1), then 2,
-then 1 again, and vLLM (its external launcher, object_store); the medians of rollout (wake-up,
+then 1 again, and vLLM (its external launcher) over each at level 1; the medians of rollout (wake-up,
 generate, sleep), sync and iteration seconds and the bytes sleep freed, side by side, and the ratios
 (vLLM / embedded, tpu_dist / object_store, level 2 / level 1).
 
@@ -305,10 +305,10 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
         _, trainer = grpo.two_slices(path, max_num_seqs=8)
         engines = [e for e in args.engine if e != "vllm" or vllm_available()]
         # the embedded engine over each transport at sleep_level 1, then 2, then 1 again (alternated);
-        # colocated vLLM takes "object_store" only
+        # vLLM over each transport at level 1 (its CPU backend keeps the weights in host memory)
         embedded = [("embedded", level, t) for level in (1, 2, 1) for t in args.weight_sync]
         setups = (embedded[: len(args.weight_sync)] if "embedded" in engines else []) + (
-            [("vllm", 1, "object_store")] if "vllm" in engines else []
+            [("vllm", 1, t) for t in args.weight_sync] if "vllm" in engines else []
         )
         setups += embedded[len(args.weight_sync) :] if "embedded" in engines else []
         for n, (engine, level, transport) in enumerate(setups):
@@ -345,9 +345,13 @@ def print_colocated(results: dict[str, tuple[float, float, float, int]], rounds:
     for engine, (rollout, sync, total, freed) in results.items():
         print(f"| {engine} | {rollout:.3f} | {sync:.3f} | {total:.3f} | {freed / 1e6:.1f} |")
     level1 = {t: _mean_of(results, f"embedded, {t}, sleep_level=1") for t in ("object_store", "tpu_dist")}
-    vllm = results.get("vllm, object_store, sleep_level=1")
-    if vllm is not None and level1["object_store"] is not None:
-        print(f"vLLM / embedded colocated iteration (object_store): {vllm[2] / level1['object_store']:.2f}x")
+    vllm = {t: results.get(f"vllm, {t}, sleep_level=1") for t in ("object_store", "tpu_dist")}
+    for transport, row in vllm.items():
+        if row is not None and level1[transport] is not None:
+            print(f"vLLM / embedded colocated iteration ({transport}): {row[2] / level1[transport]:.2f}x")
+    if vllm["object_store"] is not None and vllm["tpu_dist"] is not None:
+        ratio = vllm["tpu_dist"][2] / vllm["object_store"][2]
+        print(f"vLLM colocated iteration, tpu_dist (in-process hand-over) / object_store: {ratio:.2f}x")
     if level1["object_store"] is not None and level1["tpu_dist"] is not None:
         ratio = level1["tpu_dist"] / level1["object_store"]
         print(
