@@ -65,3 +65,28 @@ def test_fsdp2_shards_on_the_chip_cut_like_the_cpu(tpu, process_group):
     cpu = _cpu_state()
     dtensors = {n: distribute_tensor(t.to(tpu), mesh, [Shard(0)]) for n, t in cpu.items()}
     _check_cut(dtensors, cpu, embedded_part)
+
+
+def test_fsdp2_hand_over_on_the_chip_equals_the_cpu_cut(tpu, process_group):
+    """A colocated trainer rank's in-process hand-over (`tpuray.rl.handover`, weight_sync="tpu_dist")
+    from FSDP2's DTensors on the chip (`full_tensor()` over the one-device mesh): the embedded engine's
+    fused shards and vLLM's unfused part stay on the chip and equal the CPU's cut of the same weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tpuray.rl import handover
+    from tpuray.rl.vllm_layout import vllm_part
+    from tpuray.rl.weights import shard_state
+
+    mesh = init_device_mesh("tpu", (1,))
+    cpu = _cpu_state()
+    dtensors = {n: distribute_tensor(t.to(tpu), mesh, [Shard(0)]) for n, t in cpu.items()}
+    shards = handover.rank_shards(dtensors, 0, 1, CONFIG)
+    want = shard_state(cpu, CONFIG, 0, 1)
+    assert shards.keys() == want.keys()
+    for key, t in shards.items():
+        assert t.device.type == "tpu" and torch.equal(t.cpu(), want[key]), key
+    pieces = handover.rank_pieces(dtensors, 0, 1, CONFIG, functools.partial(vllm_part, config=CONFIG))
+    assert pieces.keys() == cpu.keys()
+    for name, (start, t) in pieces.items():
+        assert start == 0 and t.device.type == "tpu" and torch.equal(t.cpu(), cpu[name]), name
