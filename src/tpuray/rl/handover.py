@@ -13,7 +13,7 @@ order):
   group), a `Replicate()` one is read where it is;
 - a plain tensor is rank 0's (as over the other transports: DDP replicas, or one worker), broadcast to the
   other ranks when there are several;
-then the rank cuts its tensor-parallel part (`tpuray.rl.weights.cut`) into a tensor of its own (the
+then the rank cuts its tensor-parallel part (`tpuray.rl.pieces.row_pieces`) into a tensor of its own (the
 whole tensor is freed before the next) and fuses them as the engine holds them.
 
 The shards live only in the sender's process: a trainer restart (new processes) must send its restored
@@ -32,7 +32,15 @@ import torch
 
 from tpuray.rl.collective import TransferError
 from tpuray.rl.pieces import dtensor_placement, row_pieces
-from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, check_state, cut, fuse, shapes_of
+from tpuray.rl.weights import (
+    PartFn,
+    Piece,
+    WeightMismatchError,
+    check_state,
+    embedded_part,
+    fuse,
+    shapes_of,
+)
 
 
 class HandOverLost(TransferError):
@@ -80,23 +88,21 @@ def rank_shards(
     state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:
     """This trainer rank's rollout rank's shards (keyed like `tpuray.rl.weights.engine_tensors`, where
-    the trainer's tensors live), from the trainer's HF-named `state`; every rank of the trainer calls it
-    with the same tensors. A name or shape mismatch with the engine's model (`config`: its config.json)
-    raises WeightMismatchError on every rank before any collective."""
-    check_state(shapes_of(state, dtensors=True), config)
-    parts = {
-        name: _own(cut(name, _whole(name, t, rank, world_size), rank, world_size))
-        for name, t in state.items()
-    }
-    return fuse(parts, config)
+    the trainer's tensors live), from the trainer's HF-named `state`: its part of each tensor in the
+    embedded engine's layout (`rank_pieces`), fused as the engine holds them. Every rank of the trainer
+    calls it with the same tensors. A name or shape mismatch with the engine's model (`config`: its
+    config.json) raises WeightMismatchError on every rank before any collective."""
+    pieces = rank_pieces(state, rank, world_size, config, embedded_part)
+    return fuse({name: t for name, (_, t) in pieces.items()}, config)
 
 
 def rank_pieces(
     state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any], part: PartFn
 ) -> dict[str, Piece]:
-    """As `rank_shards`, in the layout of `part` (vLLM's: `tpuray.rl.vllm_layout.vllm_part`) and unfused:
-    this trainer rank's rollout rank's part of each tensor as the one piece a sender holding every row
-    would send it (`tpuray.rl.pieces.row_pieces`), for the engine's own join (`join_pieces`)."""
+    """This trainer rank's rollout rank's part of each tensor in the layout of `part` (vLLM's:
+    `tpuray.rl.vllm_layout.vllm_part`), unfused, as the one piece a sender holding every row would send
+    it (`tpuray.rl.pieces.row_pieces`: its first row is 0), in a tensor of its own; for vLLM's worker,
+    which joins it as it joins received pieces (`join_pieces`). Checked as `rank_shards`."""
     check_state(shapes_of(state, dtensors=True), config)
     out: dict[str, Piece] = {}
     for name, t in state.items():

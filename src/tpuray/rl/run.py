@@ -97,14 +97,15 @@ class RLRun:
                 claim.close()
                 raise
         try:
+            vllm_config, model_config = self._model_configs()
             sync = WeightSync(
                 self.config.rollout_tensor_parallel_size,
                 self.config.trainer_world_size,
                 self.config.sync_timeout_s,
                 self.config.weight_sync,
-                vllm_config=self._vllm_config(),
+                vllm_config=vllm_config,
                 colocated=self.config.placement == "colocated",
-                model_config=self._handover_config(),
+                model_config=model_config,
             )
         except BaseException:
             self._shutdown_engine()
@@ -150,18 +151,14 @@ class RLRun:
         except SliceReservationTimeout as e:
             raise RLRunError(f"the RL run could not reserve its slices at once: {e}") from e
 
-    def _vllm_config(self) -> dict | None:
-        """The model config a vLLM engine's layout is cut by (None: the embedded engine's layout)."""
-        if self.config.rollout.resolved_engine != "vllm":
-            return None
-        return self.config.rollout.model_config()
-
-    def _handover_config(self) -> dict | None:
-        """The model config a colocated engine's parts are cut by on the trainer's ranks, over "tpu_dist"
-        (`tpuray.rl.handover`; None otherwise)."""
-        if self.config.placement != "colocated" or self.config.weight_sync != "tpu_dist":
-            return None
-        return self.config.rollout.model_config()
+    def _model_configs(self) -> tuple[dict | None, dict | None]:
+        """(vllm_config, model_config) for `WeightSync`, config.json read once: a vLLM engine's layout
+        is cut by it (None: the embedded engine's), and a colocated run over "tpu_dist" cuts each
+        engine rank's part on the trainer's ranks by it (`tpuray.rl.handover`; None otherwise)."""
+        vllm = self.config.rollout.resolved_engine == "vllm"
+        handover = self.config.placement == "colocated" and self.config.weight_sync == "tpu_dist"
+        config = self.config.rollout.model_config() if vllm or handover else None
+        return (config if vllm else None), (config if handover else None)
 
     def _shutdown_engine(self) -> None:
         engine, self._engine = self._engine, None
