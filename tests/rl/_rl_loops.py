@@ -126,3 +126,11 @@ def _exit_once_sent(rl: Any, version: int, marker: str) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def reseed(actor: Any, seed: int) -> None:
+    """Through `__ray_call__` on a trainer worker: reseed its process's torch generator (the one vLLM's
+    sampler draws unseeded requests from), so that this rank samples apart from the others."""
+    import torch
+
+    torch.manual_seed(seed)

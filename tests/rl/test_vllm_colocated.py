@@ -104,6 +104,57 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
     pg_leak_check()
 
 
+def test_ranks_disagree_names_the_first_prompt_and_rank_apart():
+    from tpuray.rl.vllm_colocated import disagreement
+
+    assert disagreement([[[1, 2], [3]], [[1, 2], [3]]]) is None
+    assert disagreement([[[1, 2], [3]], [[1, 2], [3]], [[1, 2], [4]]]) == "prompt 1: rank 0 [3], rank 2 [4]"
+    assert disagreement([[[5]]]) is None  # one rank
+
+
+@pytest.mark.full(
+    "CI: the ranks' tokens compared (test_ranks_disagree_names_the_first_prompt_and_rank_apart) and sampled "
+    "alike unseeded and seeded (test_colocated_vllm_takes_turns_with_the_trainer, full tier too)"
+)
+def test_ranks_sampling_apart_fail_the_engine_and_end_the_run(
+    emulated_cluster, pg_leak_check, vllm_models, tmp_path
+):
+    """Rank 1's torch generator reseeded in its trainer worker, an unseeded sampled batch (ignore_eos:
+    the ranks' schedules stay alike, so no collective hangs) comes back with different tokens per rank:
+    generate raises RolloutEngineError naming the prompt and both ranks' tokens, the engine refuses any
+    further call, and the RL run ends with RLRunError; no worker or placement group is left."""
+    from _util import alive_actors
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngineError
+    from tpuray.rl.run import RLRunError
+    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.train import RunConfig, ScalingConfig
+
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+
+    def rollout_fn(engine, k: int) -> list:
+        engine.generate(PROMPTS, sampled)  # in step: the ranks agree
+        ray.get(engine.group.actors[1].__ray_call__.remote(_rl_loops.reseed, 1234))
+        with pytest.raises(
+            RolloutEngineError, match=r"sampled different tokens .*prompt \d+: rank 0 .*rank 1"
+        ):
+            engine.generate(PROMPTS, sampled)
+        with pytest.raises(RolloutEngineError, match="failed earlier"):
+            engine.generate(PROMPTS, GREEDY)
+        return []
+
+    rollout = RolloutConfig(vllm_models[0], engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
+    rl = RLRun(
+        RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync="object_store"),
+        _rl_loops.rl_loop,
+        train_loop_config={"path": vllm_models[1], "strategy": "fsdp2"},
+        run_config=RunConfig(storage_path=f"file://{tmp_path}", name="colocated-vllm-apart"),
+    )
+    with pytest.raises(RLRunError, match="RolloutEngineError"):
+        rl.run(1, rollout_fn)
+    assert not alive_actors("TrainWorker")
+    pg_leak_check()
+
+
 @pytest.mark.full(
     "CI: a killed trainer worker of a colocated run with the embedded engine (rl/test_placement.py)"
 )

@@ -27,7 +27,7 @@ from typing import Any
 
 from tpuray.rl.colocate import ColocatedRolloutEngine, HostedGroup
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout, is_state_dict
+from tpuray.rl.engine import Rollout, RolloutEngineError, is_state_dict
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
@@ -150,6 +150,16 @@ def _on_host(actor: Any, method: str, *args: Any) -> Any:
     return getattr(_hosted, method)(*args)
 
 
+def disagreement(tokens: Sequence[Sequence[Sequence[int]]]) -> str | None:
+    """`tokens[rank][i]`: prompt i's tokens as each rank sampled them. None where every rank has rank 0's
+    tokens; else the first prompt and rank that differ, with both ranks' tokens."""
+    for rank in range(1, len(tokens)):
+        for i, (mine, first) in enumerate(zip(tokens[rank], tokens[0], strict=True)):
+            if list(mine) != list(first):
+                return f"prompt {i}: rank 0 {list(first)}, rank {rank} {list(mine)}"
+    return None
+
+
 class _HostedVLLMGroup(HostedGroup):
     """HostedGroup whose calls reach `HostedVLLM` (this module's `_on_host`)."""
 
@@ -208,14 +218,25 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
         import ray
 
         results = ray.get(self._engine.group.call("generate", ids, params))  # the lock is held: one call
-        tokens = [[out[0] for out in rank] for rank in results]
-        if any(t != tokens[0] for t in tokens[1:]):  # each rank samples; their generators must agree
-            raise RuntimeError(
-                "colocated vLLM's tensor-parallel ranks sampled different tokens for the same batch; their "
-                "KV caches no longer agree. Shut the engine down; a seeded SamplingParams(seed=...) keeps "
-                "the ranks' sampling identical"
-            )
+        self._check_agreed([[out[0] for out in rank] for rank in results])
         return [Rollout(list(p), *out) for p, out in zip(ids, results[0], strict=True)]
+
+    def _check_agreed(self, tokens: list[list[list[int]]]) -> None:
+        """Each rank samples on its own (vLLM's external launcher): where the ranks' tokens differ
+        (`disagreement`), their tensor-parallel forward passes mixed different tokens (the batch is
+        garbage) and their caches and schedules no longer agree: the engine is failed
+        (RolloutEngineError; an RLRun ends, nothing left)."""
+        apart = disagreement(tokens)
+        if apart is None:
+            return
+        self.failure = RuntimeError(
+            f"colocated vLLM's tensor-parallel ranks sampled different tokens for the same batch ({apart}); "
+            "their random generators were not in step, so their KV caches no longer agree"
+        )
+        raise RolloutEngineError(
+            f"{self.failure}. The engine cannot continue: shutdown() it and start a new one; a seeded "
+            "SamplingParams(seed=...) gives every rank the same samples"
+        ) from self.failure
 
     def _update_workers(self, update: Any) -> int:
         """An RLRun's TrainerUpdate (object store: each rank pulls its own pieces; tpu_dist: each takes the
