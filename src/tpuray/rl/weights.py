@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from tpuray.rl import rows
+from tpuray.rl.rows import Rows
+
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")  # fused, in this order, into "qkv"
 
 
@@ -181,18 +184,16 @@ def cut(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.narrow(dim, lo, hi - lo)
 
 
-def fuse(
-    parts: Mapping[str, torch.Tensor], config: Mapping[str, Any], reuse: bool = False
-) -> dict[str, torch.Tensor]:
+def fuse(parts: Mapping[str, Any], config: Mapping[str, Any], deferred: bool = False) -> dict[str, Any]:
     """One rank's HF-named parts (already cut for it) as the engine's fused tensors, keyed like
-    `engine_tensors` (q/k/v -> qkv, gate/up -> gate_up); `reuse`: the fused ones in this process's
-    reused buffers (`tpuray.rl.buffers`: valid until the next update)."""
+    `engine_tensors` (q/k/v -> qkv, gate/up -> gate_up); `deferred`: the fused ones as their row blocks
+    (`tpuray.rl.rows.Rows`: the commit copies them into the weights, no copy here)."""
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> Any:
         return parts[name].detach()
 
-    def cat(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return _cat(("fuse", key), tensors, reuse)
+    def cat(key: str, tensors: list[Any]) -> Any:
+        return Rows.stack(tensors) if deferred else torch.cat(tensors)
 
     shards = {
         "embed": get("model.embed_tokens.weight"),
@@ -216,16 +217,6 @@ def fuse(
     return shards
 
 
-def _cat(key: tuple[str, str], tensors: list[torch.Tensor], reuse: bool) -> torch.Tensor:
-    """torch.cat along dim 0, into this process's reused buffer `key` when `reuse`."""
-    if not reuse or len({t.dtype for t in tensors}) != 1:
-        return torch.cat(tensors)
-    from tpuray.rl import buffers
-
-    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
-    return torch.cat(tensors, out=buffers.like(key, shape, tensors[0].dtype))
-
-
 def shard_state(
     state: Mapping[str, torch.Tensor], config: Mapping[str, Any], rank: int, world_size: int
 ) -> dict[str, torch.Tensor]:
@@ -243,7 +234,7 @@ def engine_tensors(model: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def copy_shards(model: Any, shards: Mapping[str, torch.Tensor]) -> int:
+def copy_shards(model: Any, shards: Mapping[str, torch.Tensor | Rows]) -> int:
     """Overwrite the model's tensors in place (their storage, so compiled programs keep reading them) with
     `shards`; every name and shape was checked first, so a mismatch here raises before any write.
     Returns the bytes written."""
@@ -261,7 +252,7 @@ def copy_shards(model: Any, shards: Mapping[str, torch.Tensor]) -> int:
     written = 0
     with torch.no_grad():
         for key, t in shards.items():
-            dest[key].copy_(t)
+            rows.write(dest[key], t)
             written += t.numel() * dest[key].element_size()
     return written
 
@@ -319,7 +310,7 @@ def check_shards(shards: Any, model: Any) -> None:
             raise WeightMismatchError(
                 f"sharded weight update: unknown shard {key!r}; expected names like {next(iter(dest))!r}"
             )
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor | Rows) or not t.is_floating_point():
             raise WeightMismatchError(f"sharded weight update: shard {key!r} is not a floating-point tensor")
         if tuple(t.shape) != tuple(dest[key].shape):
             raise WeightMismatchError(
@@ -342,13 +333,13 @@ def join_pieces(
     rank: int,
     world_size: int,
     part: PartFn = embedded_part,
-    reuse: bool = False,
+    deferred: bool = False,
     into: Into | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """Rollout rank `rank`'s part of each HF tensor (keyed by HF name) from the pieces every trainer rank
     sent it, in the layout of `part`; WeightMismatchError names the first missing, unknown, misshapen or
     incomplete tensor. A tensor whose part is empty (none of its rows on this rank) may be left out.
-    `reuse`: parts joined from several pieces are in reused buffers (as `fuse`). `into`: every part is
+    `deferred`: parts joined from several pieces are their row blocks (as `fuse`). `into`: every part is
     copied into the tensor `into(name, part shape, dtype)` gives (e.g. its place in a bigger buffer)."""
     expected = expected_shapes(config)
     allowed = {**expected, **optional_names(config)}
@@ -365,7 +356,7 @@ def join_pieces(
             f"weight sync: tensor {missing[0]!r} (shape {expected[missing[0]]}) is missing "
             f"({len(missing)} of {len(expected)})"
         )
-    return {n: _join(n, ps, shapes[n], allowed[n], reuse, into) for n, ps in by_name.items()}
+    return {n: _join(n, ps, shapes[n], allowed[n], deferred, into) for n, ps in by_name.items()}
 
 
 def assemble(
@@ -373,12 +364,13 @@ def assemble(
     config: Mapping[str, Any],
     rank: int,
     world_size: int,
-    reuse: bool = False,
-) -> dict[str, torch.Tensor]:
+    deferred: bool = False,
+) -> dict[str, Any]:
     """Rollout rank `rank`'s fused shards (the embedded engine's) from the pieces every trainer rank
     sent it; WeightMismatchError names the first missing, unknown, misshapen or incomplete tensor
-    (nothing is written). `reuse`: joined and fused in this process's reused buffers (as `fuse`)."""
-    return fuse(join_pieces(received, config, rank, world_size, reuse=reuse), config, reuse)
+    (nothing is written). `deferred`: joined and fused as row blocks (as `fuse`), which stay views of
+    the received pieces: commit or discard them before those are overwritten."""
+    return fuse(join_pieces(received, config, rank, world_size, deferred=deferred), config, deferred)
 
 
 def _join(
@@ -386,9 +378,9 @@ def _join(
     pieces: list[Piece],
     shape: tuple[int, ...],
     full: tuple[int, ...],
-    reuse: bool = False,
+    deferred: bool = False,
     into: Into | None = None,
-) -> torch.Tensor:
+) -> Any:
     pieces = sorted(pieces, key=lambda p: p[0])
     row = 0
     for start, t in pieces:
@@ -407,4 +399,6 @@ def _join(
         for start, t in pieces:
             dest[start : start + t.shape[0]].copy_(t)
         return dest
-    return pieces[0][1] if len(pieces) == 1 else _cat(("join", name), [t for _, t in pieces], reuse)
+    if len(pieces) == 1:
+        return pieces[0][1]
+    return Rows(pieces) if deferred else torch.cat([t for _, t in pieces])

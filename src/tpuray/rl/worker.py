@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tpuray.rl import rows
 from tpuray.rl.protocol import SLEEP_LEVELS
 from tpuray.rl.weights import (
     WeightMismatchError,
@@ -71,7 +72,7 @@ class RunnerWeights:
         self.runner = runner
         self.config = json.loads((Path(model_path) / "config.json").read_text())
         self.rank, self.world_size = rank, world_size
-        self.staged: dict[str, torch.Tensor] | None = None
+        self.staged: dict[str, Any] | None = None  # shards: tensors, or rows.Rows of received pieces
         self.staged_owned = False  # the staged shards are the engine's to keep (a colocated hand-over)
         self.sleep_level = 0  # 0 awake; 1 asleep, weights on the host; 2 asleep, weights discarded
         # while asleep, what wake_up restores: the weights copied to the host (level 1), or an update
@@ -121,14 +122,14 @@ class RunnerWeights:
         from tpuray.rl.weights import assemble
 
         pieces = resolve_pieces(refs, channel, self.rank)
-        # reused buffers: the staged shards are committed or discarded before the next update
-        shards = assemble(pieces, self.config, self.rank, self.world_size, reuse=True)
+        # row blocks over the received buffers: committed or discarded before the next update reuses them
+        shards = assemble(pieces, self.config, self.rank, self.world_size, deferred=True)
         return self.stage_shards(shards)
 
     def commit(self) -> int:
         """Copy the staged shards into the model; returns bytes written. Asleep, the update waits for
         wake_up: owned shards as they are, others copied into what it restores (the host copy, or owned
-        shards taken before), or at level 2 into a host copy of their own (they may be reused buffers)."""
+        shards taken before), or at level 2 into a host copy of their own (they may be views of reused buffers)."""
         if self.staged is None:
             raise RuntimeError("commit_weights without a staged update (call stage_weights first)")
         staged, self.staged = self.staged, None
@@ -136,7 +137,7 @@ class RunnerWeights:
         if self.asleep and self.staged_owned:
             self.restore = staged
         elif self.asleep and self.restore is None:
-            self.restore = {k: t.detach().to("cpu", copy=True) for k, t in staged.items()}
+            self.restore = {k: rows.owned(t) for k, t in staged.items()}
         elif self.restore is not None:  # asleep
             written = copy_shards(_Holder(self.restore), staged)
         else:
