@@ -316,14 +316,15 @@ def bench_kv_write(args) -> None:
 def bench_weights(args) -> None:
     """A one-chip rollout engine (`tpuray.rl.worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
     runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
-    + commit (copy into the weights on the chip), against the raw transfer of the same bytes (each tensor
-    `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
+    + commit (copy into the weights on the chip), and the same bytes as received pieces staged as row
+    blocks (`tpuray.rl.rows`: one host-to-chip copy per block into its rows), against the raw transfer
+    of the same bytes (each tensor `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
     then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep level 1 (weights copied
     to the host) once, and at level 2 (discarded) with the trainer's weights on the chip taken over the
     host (stage + commit of the full state, as the object store delivers it) or handed over in process
     (`tpuray.rl.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
     allocator's count of live bytes on the device."""
-    from tpuray.rl.weights import engine_tensors
+    from tpuray.rl.weights import assemble, engine_tensors
     from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
@@ -346,9 +347,18 @@ def bench_weights(args) -> None:
             for k, t in dev.items():
                 t.copy_(shards[k])
 
+    halves = two_senders(state)
+
+    def rows_update() -> None:  # received pieces staged as row blocks, committed block by block
+        weights.stage_shards(assemble(halves, weights.config, 0, 1, deferred=True))
+        weights.commit()
+
     raw = timed(lambda: [t.to(args.device) for t in shards.values()], args.steps)
     figures = dict(
-        raw_to_device_s=raw, in_place_s=timed(in_place, args.steps), update_s=timed(update, args.steps)
+        raw_to_device_s=raw,
+        in_place_s=timed(in_place, args.steps),
+        update_s=timed(update, args.steps),
+        rows_update_s=timed(rows_update, args.steps),
     )
     report(
         "rl_update",
@@ -357,6 +367,7 @@ def bench_weights(args) -> None:
         update_gb_s=weight_bytes / figures["update_s"] / 1e9,
         update_vs_raw=figures["update_s"] / raw,
         in_place_vs_raw=figures["in_place_s"] / raw,
+        rows_vs_raw=figures["rows_update_s"] / raw,
     )
     live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
     report("rl_handover", level=1, path="host", **handover(weights, update, 1, live))
@@ -367,6 +378,20 @@ def bench_weights(args) -> None:
     for path in ("host", "in_process", "host", "in_process"):
         take = update if path == "host" else (lambda: hand_over(weights, on_chip))
         report("rl_handover", level=2, path=path, **handover(weights, take, 2, live))
+
+
+def two_senders(state: dict) -> list[dict]:
+    """The pieces of a one-rank engine's update as two trainer ranks of an FSDP2 run send them (each
+    tensor's rows split between them; on the host, as a transfer leaves them)."""
+    from tpuray.rl.pieces import trainer_pieces
+
+    senders: list[dict] = [{}, {}]
+    for name, (start, t) in trainer_pieces(state, 0, 1)[0].items():
+        half = t.shape[0] // 2
+        senders[0][name] = (start, t[:half])
+        if half < t.shape[0]:
+            senders[1][name] = (start + half, t[half:])
+    return senders
 
 
 def hand_over(weights, on_chip) -> None:

@@ -90,3 +90,29 @@ def test_fsdp2_hand_over_on_the_chip_equals_the_cpu_cut(tpu, process_group):
     assert pieces.keys() == cpu.keys()
     for name, (start, t) in pieces.items():
         assert start == 0 and t.device.type == "tpu" and torch.equal(t.cpu(), cpu[name]), name
+
+
+def test_row_blocks_commit_into_weights_on_the_chip(tpu):
+    """A rollout rank's received pieces (on the host, as a transfer leaves them; each part split between
+    two senders) staged as row blocks (`assemble(deferred=True)`) and committed into tensors on the
+    chip, block by block into row views of each: the chip's tensors equal the CPU's shard_state."""
+    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.rows import Rows
+    from tpuray.rl.weights import assemble, copy_shards, shard_state
+    from tpuray.rl.worker import _Holder
+
+    state = _cpu_state()
+    whole = trainer_pieces(state, 0, 2)[1]
+    senders: list[dict] = [{}, {}]
+    for name, (start, t) in whole.items():
+        half = t.shape[0] // 2
+        senders[0][name] = (start, t[:half])
+        if half < t.shape[0]:
+            senders[1][name] = (start + half, t[half:])
+    staged = assemble(senders, CONFIG, 1, 2, deferred=True)
+    assert isinstance(staged["layers.0.qkv"], Rows)
+    want = shard_state(state, CONFIG, 1, 2)
+    on_chip = {k: torch.zeros_like(t).to(tpu) for k, t in want.items()}
+    copy_shards(_Holder(on_chip), staged)
+    for key, t in want.items():
+        assert on_chip[key].device.type == tpu.type and torch.equal(on_chip[key].cpu(), t), key

@@ -1,7 +1,8 @@
 """A staged tensor that is still its row blocks: what a rollout rank's join (a part's rows from several
 trainer ranks) and fuse (q/k/v -> qkv, gate/up -> gate_up) describe, without copying them. The commit
 copies each block straight into its rows of the engine's weight: one copy of the received bytes where the
-join, the fuse and the commit made up to three (benchmarks/README.md, "Staged as row blocks").
+join, the fuse and the commit made up to three (benchmarks/README.md, "Staged as row blocks"). On a
+chip too: each block is one host-to-chip copy into a row view of the weight.
 
 The blocks are views of the buffers the update was received into (`tpuray.rl.buffers`), valid until the
 next update; an update is committed or discarded before the next one is received, so they hold.
@@ -51,11 +52,9 @@ class Rows:
         return self
 
     def copy_into(self, dest: torch.Tensor) -> None:
-        """Write every block into its rows of `dest` (cast to its dtype). A destination off the host (a
-        chip) takes the whole tensor in one transfer rather than one per block."""
-        if dest.device.type != "cpu":
-            dest.copy_(self.materialize())
-            return
+        """Write every block into its rows of `dest` (cast to its dtype), in place: on the host, the
+        emulated device and a real chip alike (each block one host-to-chip copy into a row view there,
+        `tests/real_tpu/test_weight_pieces.py`)."""
         for start, t in self.blocks:
             dest[start : start + t.shape[0]].copy_(t)
 
