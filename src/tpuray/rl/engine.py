@@ -131,9 +131,7 @@ class RolloutEngine:
         self._asleep = False
         self._discarded = False  # slept at level 2 and no update loaded since: the weights are gone
         self._closed = False
-        self.failure: BaseException | None = (
-            None  # a worker died (or colocated vLLM ranks out of step): unusable
-        )
+        self.failure: BaseException | None = None  # a dead worker, ranks out of step: unusable
         self.version = 0  # weight updates committed
         self._local: RunnerWeights | None = None
         try:
