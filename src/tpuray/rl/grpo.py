@@ -281,14 +281,20 @@ def plot(means: list[float], png: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=60)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--iterations", type=int, default=60, help="GRPO iterations (generate, reward, train, sync)"
+    )
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
     parser.add_argument("--words", type=int, default=3, help="the reward's target word count N")
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=12, help="tokens sampled per reply at most")
     parser.add_argument("--epochs", type=int, default=4, help="clipped policy steps per batch of rollouts")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-2, help="the policy optimizer's learning rate")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the initial weights, training and sampling"
+    )
     parser.add_argument("--slice", action="store_true", help="rollout engine on an emulated v6e 2x2 slice")
     parser.add_argument(
         "--colocate",
