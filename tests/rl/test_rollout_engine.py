@@ -49,6 +49,14 @@ def test_generate_in_process_returns_tokens_logprobs_and_text(tiny_models):
         assert [r.token_ids for r in engine.generate(["1 + 2 ="] * 4, sampled)] == [
             r.token_ids for r in rollouts
         ]  # seeded: reproducible
+        grouped = engine.generate(["1 + 2 =", "3 + 4 ="], sampled, n=2)  # prompt i's samples at [2i, 2i + 2)
+        assert [r.token_ids for r in grouped] == [
+            r.token_ids for r in engine.generate(["1 + 2 =", "1 + 2 =", "3 + 4 =", "3 + 4 ="], sampled)
+        ]
+        assert grouped[0].prompt_token_ids == grouped[1].prompt_token_ids != grouped[2].prompt_token_ids
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match=r"n \(samples per prompt\) must be an int >= 1, got"):
+                engine.generate(["a"], GREEDY, n=bad)
         with pytest.raises(ValueError, match=r"params must be one SamplingParams or one per prompt \(2\)"):
             engine.generate(["a", "b"], [GREEDY])
         with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):

@@ -189,11 +189,13 @@ class RolloutEngine:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        n: int = 1,
     ) -> list[Rollout]:
-        """One Rollout per prompt (a text, tokenized without special tokens, or token ids), in order. One
+        """`n` Rollouts per prompt (a text, tokenized without special tokens, or token ids), in order:
+        prompt i's at [i * n, (i + 1) * n) (`n`: GRPO's group size, vLLM's SamplingParams.n). One
         SamplingParams for all or one per prompt; logprobs of the chosen tokens are always returned.
-        Prompt i samples with generator index i, so a seeded batch of repeated prompts gives distinct,
-        reproducible samples. A dead worker raises RolloutEngineError."""
+        Sample j of the batch draws with generator index j, so a seeded batch (repeated prompts, or
+        n > 1) gives distinct, reproducible samples. A dead worker raises RolloutEngineError."""
         import ray
 
         self._check_open("generate")
@@ -201,6 +203,8 @@ class RolloutEngine:
             raise TypeError(
                 f"prompts must be a list of texts or token-id lists, got {type(prompts).__name__}"
             )
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
         per_prompt = self._params(params, len(prompts))
         ids = [self._engine.encode_prompt(p if isinstance(p, str) else list(p)) for p in prompts]
         for i, p in enumerate(ids):
@@ -211,6 +215,8 @@ class RolloutEngine:
                     f"prompts[{i}] has {len(p)} tokens; max_model_len={self._engine.max_model_len} "
                     "leaves no room to generate"
                 )
+        ids = [p for p in ids for _ in range(n)]
+        per_prompt = [sp for sp in per_prompt for _ in range(n)]
         with self._lock:
             if self._asleep:
                 raise RuntimeError("RolloutEngine.generate while asleep: call wake_up() first")

@@ -122,11 +122,10 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
         print(
             f"rollout engine: tensor_parallel_size={engine.tensor_parallel_size} on {engine.describe()['slice']}"
         )
-        prompts = [p for p in PROMPTS for _ in range(args.group)]
         for it in range(args.iterations):
             t0 = time.perf_counter()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + it)
-            rollouts = engine.generate(prompts, params)
+            rollouts = engine.generate(PROMPTS, params, n=args.group)  # each prompt's group in turn
             t1 = time.perf_counter()
             rewards = [reward(r.text, args.words) for r in rollouts]
             advantages = group_advantages(rewards, args.group)
@@ -229,13 +228,12 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
     from tpuray.train import RunConfig
 
-    prompts = [p for p in PROMPTS for _ in range(args.group)]
     split: list[tuple[float, float, float]] = []
 
     def rollout_fn(engine: RolloutEngine, k: int) -> tuple:
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + k)
-        rollouts = engine.generate(prompts, params)
+        rollouts = engine.generate(PROMPTS, params, n=args.group)
         t1 = time.perf_counter()
         rewards = [reward(r.text, args.words) for r in rollouts]
         split.append((statistics.fmean(rewards), t1 - t0, time.perf_counter() - t1))
