@@ -9,9 +9,10 @@ rollout rank receives every buffer offered to it (sized by the offer, whatever t
 checks the pieces against the engine's model while assembling its part (`tpuray.rl.weights.assemble`):
 a name, shape or dtype mismatch is refused after the transfer, before anything is staged or written.
 
-The group is built with torch.distributed: the backend "tpu_dist" (on emulated hosts tpuray's
-gloo-backed group, `tpuray.runtime.dist`; on TPU hosts the one torch_tpu registers) created by its
-registered creator on a `PrefixStore` of a `TCPStore` the driver hosts (`Rendezvous`). Ranks: trainer
+The group is built with torch.distributed on a `PrefixStore` of a `TCPStore` the driver hosts
+(`Rendezvous`): on emulated hosts by the registered "tpu_dist" backend (tpuray's gloo-backed group,
+`tpuray.runtime.dist`), on real TPU hosts by gloo itself, since TorchTPU's "tpu_dist" takes only tensors
+on the chip and the buffers are host tensors (`group_backend`). Ranks: trainer
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
 first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
@@ -167,24 +168,43 @@ def unpack(metas: list[Meta], flat: torch.Tensor) -> dict[str, tuple[int, torch.
 
 
 # -- the group ----------------------------------------------------------------------------------------
+def group_backend(mode: str) -> tuple[str, Any]:
+    """(name, creator) of the backend the transport's group runs on in a process whose tpu runtime is
+    `mode` (`tpuray.runtime.activate()`). The buffers are host tensors: on emulated hosts "tpu_dist" is
+    tpuray's gloo-backed group, which takes them; TorchTPU's "tpu_dist" takes only tensors on the chip
+    ("expected tensor to be on tpu, got cpu", checked on a TPU v5e: tests/real_tpu/test_00_chip_env.py),
+    so on real TPU hosts the group is gloo itself (the library under the emulated one, wire-compatible
+    with it), over the hosts' network (DCN)."""
+    import torch.distributed as dist
+
+    if mode == "real":
+        return "gloo", dist.ProcessGroupGloo
+    plugin = dist.Backend._plugins.get(BACKEND.upper())
+    if plugin is None:
+        raise RuntimeError(
+            f"weight_sync='tpu_dist': backend {BACKEND!r} is not registered in this process (a worker "
+            "of an emulated or real TPU slice has it)"
+        )
+    return BACKEND, plugin.creator_fn
+
+
 class SyncGroup:
     """This process's member of the transport's process group (see the module docstring)."""
 
-    def __init__(self, channel: Channel, rank: int) -> None:
+    def __init__(self, channel: Channel, rank: int, mode: str | None = None) -> None:
+        """`mode`: this process's tpu runtime ("emulated" or "real"; default: `tpuray.runtime.activate()`),
+        which picks the group's backend (`group_backend`)."""
         import torch.distributed as dist
 
-        plugin = dist.Backend._plugins.get(BACKEND.upper())
-        if plugin is None:
-            raise RuntimeError(
-                f"weight_sync='tpu_dist': backend {BACKEND!r} is not registered in this process (a worker "
-                "of an emulated or real TPU slice has it)"
-            )
+        from tpuray import runtime
+
+        self.backend, create = group_backend(mode or runtime.activate())
         timeout = timedelta(seconds=channel.timeout_s)
         store = dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
         self.channel = channel
         self.rank = rank
         prefix = f"{PREFIX}/{channel.generation}/{channel.engine}"
-        self.pg: Any = plugin.creator_fn(dist.PrefixStore(prefix, store), rank, channel.world_size, timeout)
+        self.pg: Any = create(dist.PrefixStore(prefix, store), rank, channel.world_size, timeout)
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
 
     def send_all(self, flats: list[torch.Tensor | None]) -> None:
