@@ -60,28 +60,22 @@ def test_tpu_dist_collectives(tpu, process_group):
     assert t.cpu().tolist() == out[0].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_tpu_dist_takes_only_tensors_on_the_chip_so_the_weight_sync_group_is_gloo(tpu, process_group):
+def test_tpu_dist_takes_only_tensors_on_the_chip(tpu, process_group):
     """TorchTPU's tpu_dist refuses host tensors (found 2026-12-06 on this chip): its backend, made by its
-    registered creator as the weight sync made its group, and the default group's front end. The tpu_dist
-    weight sync moves host buffers, so on a real TPU host its group is gloo
-    (`tpuray.rl.collective.group_backend`), which this VM cannot open (no TCP sockets:
-    tests/rl/test_collective.py runs it on a CPU)."""
+    registered creator as a process group of one's own would be, and the default group's front end. The
+    emulated tpu_dist mirrors both (tests/runtime/test_dist.py), and the RL weight sync, which moves host
+    buffers, runs its group on gloo (`tpuray.rl.collective.group_backend`)."""
     from datetime import timedelta
 
-    from tpuray.rl.collective import BACKEND, group_backend
-    from tpuray.runtime import activate
-
     dist = process_group
-    create = dist.Backend._plugins[BACKEND.upper()].creator_fn
+    create = dist.Backend._plugins["TPU_DIST"].creator_fn
     backend = create(dist.PrefixStore("probe", dist.HashStore()), 0, 1, timedelta(seconds=30))
     for call in (backend.allreduce, backend.broadcast):
         with pytest.raises(RuntimeError, match="expected tensor to be on tpu, got cpu"):
             call([torch.ones(4)]).wait()
-    on_chip = torch.ones(4, device=tpu)
-    backend.allreduce([on_chip]).wait()  # the same backend takes a tensor on the chip
+    backend.allreduce([torch.ones(4, device=tpu)]).wait()  # the same backend takes a tensor on the chip
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(torch.ones(4))
-    assert group_backend(activate()) == ("gloo", dist.ProcessGroupGloo)
 
 
 def test_ddp_and_fsdp2_on_a_one_device_mesh(tpu, process_group, highest_precision):

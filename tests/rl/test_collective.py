@@ -1,6 +1,6 @@
-"""The tpu_dist weight-sync transport's group (tpuray.rl.collective): which backend it runs on, and the
-real-TPU-host form (gloo, since TorchTPU's tpu_dist takes only tensors on the chip) moving host buffers
-between two ranks of a real group, in chunks."""
+"""The tpu_dist weight-sync transport's group (tpuray.rl.collective): gloo on every host (its buffers are
+host tensors, which tpu_dist, TorchTPU's and the emulated one, refuses), moving host buffers between two
+ranks of a real group, in chunks."""
 
 from __future__ import annotations
 
@@ -10,18 +10,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpuray.rl.collective import BACKEND, Channel, Offer, SyncGroup, group_backend, pack
+from tpuray.rl.collective import Channel, Offer, SyncGroup, group_backend, pack
 
 
-def test_the_group_is_gloo_on_real_tpu_hosts_and_the_registered_tpu_dist_elsewhere():
-    assert group_backend("real") == ("gloo", dist.ProcessGroupGloo)
-    name, create = group_backend("emulated")
-    assert name == BACKEND and create is dist.Backend._plugins[BACKEND.upper()].creator_fn
+def test_the_group_is_gloo():
+    assert group_backend() == ("gloo", dist.ProcessGroupGloo)
 
 
-def test_a_real_tpu_hosts_group_moves_host_buffers_over_gloo():
-    """Trainer rank 0 and rollout rank 0 of a 1 + 1 group made as on real TPU hosts (mode "real"), each
-    in its own thread: the packed pieces arrive whole, in 1 KiB messages."""
+def test_the_group_moves_host_buffers_over_gloo():
+    """Trainer rank 0 and rollout rank 0 of a 1 + 1 group, each in its own thread: the packed pieces
+    arrive whole, in 1 KiB messages."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
@@ -32,13 +30,13 @@ def test_a_real_tpu_hosts_group_moves_host_buffers_over_gloo():
     got: dict = {}
 
     def rollout_rank() -> None:
-        group = SyncGroup(channel, 1, mode="real")
+        group = SyncGroup(channel, 1)
         got.update(group.recv_all([Offer(0, metas, flat.numel())])[0])
         group.close()
 
     receiver = threading.Thread(target=rollout_rank)
     receiver.start()
-    sender = SyncGroup(channel, 0, mode="real")
+    sender = SyncGroup(channel, 0)
     sender.send_all([flat])
     receiver.join(30)
     sender.close()

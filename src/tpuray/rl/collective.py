@@ -10,9 +10,8 @@ checks the pieces against the engine's model while assembling its part (`tpuray.
 a name, shape or dtype mismatch is refused after the transfer, before anything is staged or written.
 
 The group is built with torch.distributed on a `PrefixStore` of a `TCPStore` the driver hosts
-(`Rendezvous`): on emulated hosts by the registered "tpu_dist" backend (tpuray's gloo-backed group,
-`tpuray.runtime.dist`), on real TPU hosts by gloo itself, since TorchTPU's "tpu_dist" takes only tensors
-on the chip and the buffers are host tensors (`group_backend`). Ranks: trainer
+(`Rendezvous`), with gloo (`group_backend`): the buffers are host tensors, which "tpu_dist" refuses on
+real TPU hosts (TorchTPU's takes only tensors on the chip) and on emulated ones (which mirror it). Ranks: trainer
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
 first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
@@ -33,7 +32,6 @@ import torch
 from tpuray.rl import buffers
 from tpuray.rl.weights import WeightMismatchError
 
-BACKEND = "tpu_dist"
 PREFIX = "tpuray-rl-sync"
 CHUNK_BYTES = 64 << 20  # default most bytes of one message (Channel.chunk_bytes)
 # (name, first row within the rollout rank's part, shape, dtype name, byte offset in the flat buffer)
@@ -168,37 +166,23 @@ def unpack(metas: list[Meta], flat: torch.Tensor) -> dict[str, tuple[int, torch.
 
 
 # -- the group ----------------------------------------------------------------------------------------
-def group_backend(mode: str) -> tuple[str, Any]:
-    """(name, creator) of the backend the transport's group runs on in a process whose tpu runtime is
-    `mode` (`tpuray.runtime.activate()`). The buffers are host tensors: on emulated hosts "tpu_dist" is
-    tpuray's gloo-backed group, which takes them; TorchTPU's "tpu_dist" takes only tensors on the chip
-    ("expected tensor to be on tpu, got cpu", checked on a TPU v5e: tests/real_tpu/test_00_chip_env.py),
-    so on real TPU hosts the group is gloo itself (the library under the emulated one, wire-compatible
-    with it), over the hosts' network (DCN)."""
+def group_backend() -> tuple[str, Any]:
+    """(name, creator) of the backend the transport's group runs on: gloo, on every host. The buffers
+    are host tensors, and "tpu_dist" takes only tensors on the chip: TorchTPU's (found on a TPU v5e:
+    "expected tensor to be on tpu, got cpu", tests/real_tpu/test_runtime.py) and the emulated one, which
+    mirrors it. Over the hosts' network (DCN on real slices), like the emulated tpu_dist's gloo."""
     import torch.distributed as dist
 
-    if mode == "real":
-        return "gloo", dist.ProcessGroupGloo
-    plugin = dist.Backend._plugins.get(BACKEND.upper())
-    if plugin is None:
-        raise RuntimeError(
-            f"weight_sync='tpu_dist': backend {BACKEND!r} is not registered in this process (a worker "
-            "of an emulated or real TPU slice has it)"
-        )
-    return BACKEND, plugin.creator_fn
+    return "gloo", dist.ProcessGroupGloo
 
 
 class SyncGroup:
     """This process's member of the transport's process group (see the module docstring)."""
 
-    def __init__(self, channel: Channel, rank: int, mode: str | None = None) -> None:
-        """`mode`: this process's tpu runtime ("emulated" or "real"; default: `tpuray.runtime.activate()`),
-        which picks the group's backend (`group_backend`)."""
+    def __init__(self, channel: Channel, rank: int) -> None:
         import torch.distributed as dist
 
-        from tpuray import runtime
-
-        self.backend, create = group_backend(mode or runtime.activate())
+        self.backend, create = group_backend()
         timeout = timedelta(seconds=channel.timeout_s)
         store = dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
         self.channel = channel

@@ -40,9 +40,9 @@ class RLConfig:
     refused before anything is overwritten.
     "tpu_dist" (the default: 1.6x-3.4x faster per sync than "object_store" in benchmarks/bench_rl.py,
     docs/rl.md): a torch.distributed process group. Disaggregated, it spans the trainer's and the
-    engine's workers (TCPStore rendezvous on the driver) and moves host buffers: over the "tpu_dist"
-    backend on emulated hosts, over gloo on real TPU hosts (TorchTPU's "tpu_dist" takes only tensors on
-    the chip: `tpuray.rl.collective.group_backend`); only the pieces' metadata
+    engine's workers (TCPStore rendezvous on the driver) and moves host buffers, so it is a gloo group
+    on every host (TorchTPU's "tpu_dist" takes only tensors on the chip; the emulated one is gloo
+    underneath: `tpuray.rl.collective.group_backend`); only the pieces' metadata
     passes the driver, the trainer ranks send every rollout rank the rows of its part they hold, point to
     point at once, and each rollout rank checks what it received before staging it
     (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
