@@ -80,6 +80,15 @@ def collectives(rank: int, world: int) -> None:
     for r, o in enumerate(outs):
         _eq(o, 10 * r + rank, "all_to_all")
 
+    # host tensors are refused, as TorchTPU's tpu_dist refuses them (tests/real_tpu/test_runtime.py)
+    for refused in (lambda: dist.all_reduce(torch.ones(2)), lambda: dist.broadcast(torch.ones(2), src=0)):
+        try:
+            refused()
+        except RuntimeError as e:
+            assert "expected tensor to be on tpu, got cpu" in str(e), f"host tensor refused with {e}"
+        else:
+            raise AssertionError("tpu_dist took a host tensor; TorchTPU's refuses it")
+
     dist.barrier()
     if rank == 0:
         dist.send(torch.arange(3.0, device=dev), dst=1)

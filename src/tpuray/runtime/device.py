@@ -21,12 +21,17 @@ and AOTAutograd see through the wrapper, and inductor compiles CPU kernels for t
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 DEVICE_TYPE = "tpu"
+# set while a collective op runs on tensors this module unwrapped: the emulated tpu_dist then takes their
+# CPU tensors; a host tensor the caller passed itself is refused there, as TorchTPU refuses it
+UNWRAPPED_COLLECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("tpu_unwrapped", default=False)
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 aten = torch.ops.aten
 
 _CPU = torch.device("cpu")
@@ -139,7 +144,14 @@ class TpuTensor(torch.Tensor):
         handler = _SPECIAL.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            token = UNWRAPPED_COLLECTIVE.set(True)
+            try:
+                out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
+            finally:
+                UNWRAPPED_COLLECTIVE.reset(token)
+        else:
+            out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
         target = kwargs.get("device")
         if target is not None and torch.device(target).type != DEVICE_TYPE:
             return out  # e.g. zeros_like(t, device="cpu")

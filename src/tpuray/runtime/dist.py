@@ -17,15 +17,28 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future  # type: ignore[attr-defined]
 
-from tpuray.runtime.device import local_tensor
+from tpuray.runtime.device import UNWRAPPED_COLLECTIVE, local_tensor
 
 BACKEND_NAME = "tpu_dist"
 
 _ReduceOp = dist.ReduceOp
 
 
+def _one(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor holding tpu tensor `t`'s data. A host tensor the caller passed itself is refused,
+    as TorchTPU's tpu_dist refuses it (found on a TPU v5e: tests/real_tpu/test_runtime.py), so that code
+    which runs here does not fail on a real slice; this module's own dispatch hands the group the CPU
+    tensors of tpu tensors it unwrapped (`UNWRAPPED_COLLECTIVE`), which are taken."""
+    if t.device.type != "tpu" and not UNWRAPPED_COLLECTIVE.get():
+        raise RuntimeError(
+            f"expected tensor to be on tpu, got {t.device.type} (tpu_dist takes only tensors on the tpu "
+            "device, as TorchTPU's does; host tensors need a gloo group: dist.new_group(backend='gloo'))"
+        )
+    return local_tensor(t)
+
+
 def _loc(tensors):
-    return [local_tensor(t) for t in tensors]
+    return [_one(t) for t in tensors]
 
 
 def _is_avg(op) -> bool:
@@ -140,9 +153,9 @@ class TpuDistProcessGroup(dist.ProcessGroup):
         return self._done(self._live().reduce_scatter(out, inp, gopts), output_tensors, post)
 
     def _reduce_scatter_base(self, output, input, opts):
-        out = local_tensor(output)
+        out = _one(output)
         gopts, post = self._reduce_opts(opts, dist.ReduceScatterOptions, [out])
-        work = self._live()._reduce_scatter_base(out, local_tensor(input), gopts)
+        work = self._live()._reduce_scatter_base(out, _one(input), gopts)
         return self._done(work, [output], post)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -163,7 +176,7 @@ class TpuDistProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        work = self._live()._allgather_base(local_tensor(output), local_tensor(input), opts)
+        work = self._live()._allgather_base(_one(output), _one(input), opts)
         return self._done(work, [output])
 
     all_gather_single = _allgather_base
@@ -191,7 +204,7 @@ class TpuDistProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
         work = self._live().alltoall_base(
-            local_tensor(output), local_tensor(input), output_split_sizes, input_split_sizes, opts
+            _one(output), _one(input), output_split_sizes, input_split_sizes, opts
         )
         return self._done(work, [output])
 
