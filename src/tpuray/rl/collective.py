@@ -10,8 +10,10 @@ checks the pieces against the engine's model while assembling its part (`tpuray.
 a name, shape or dtype mismatch is refused after the transfer, before anything is staged or written.
 
 The group is built with torch.distributed on a `PrefixStore` of a `TCPStore` the driver hosts
-(`Rendezvous`), with gloo (`group_backend`): the buffers are host tensors, which "tpu_dist" refuses on
-real TPU hosts (TorchTPU's takes only tensors on the chip) and on emulated ones (which mirror it). Ranks: trainer
+(`Rendezvous`), as a gloo group (`SyncGroup`): the buffers are host tensors, which "tpu_dist" refuses on
+real TPU hosts (TorchTPU's takes only tensors on the chip: "expected tensor to be on tpu, got cpu" on a
+v5e, tests/real_tpu/test_runtime.py) and on emulated ones (which mirror it). Gloo moves them over the
+hosts' network (DCN on real slices), as the emulated tpu_dist's gloo does underneath. Ranks: trainer
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
 first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
@@ -166,29 +168,21 @@ def unpack(metas: list[Meta], flat: torch.Tensor) -> dict[str, tuple[int, torch.
 
 
 # -- the group ----------------------------------------------------------------------------------------
-def group_backend() -> tuple[str, Any]:
-    """(name, creator) of the backend the transport's group runs on: gloo, on every host. The buffers
-    are host tensors, and "tpu_dist" takes only tensors on the chip: TorchTPU's (found on a TPU v5e:
-    "expected tensor to be on tpu, got cpu", tests/real_tpu/test_runtime.py) and the emulated one, which
-    mirrors it. Over the hosts' network (DCN on real slices), like the emulated tpu_dist's gloo."""
-    import torch.distributed as dist
-
-    return "gloo", dist.ProcessGroupGloo
-
-
 class SyncGroup:
     """This process's member of the transport's process group (see the module docstring)."""
 
     def __init__(self, channel: Channel, rank: int) -> None:
         import torch.distributed as dist
 
-        self.backend, create = group_backend()
         timeout = timedelta(seconds=channel.timeout_s)
         store = dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
         self.channel = channel
         self.rank = rank
         prefix = f"{PREFIX}/{channel.generation}/{channel.engine}"
-        self.pg: Any = create(dist.PrefixStore(prefix, store), rank, channel.world_size, timeout)
+        # gloo on every host: the buffers are host tensors (the module docstring)
+        self.pg: Any = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, channel.world_size, timeout
+        )
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
 
     def send_all(self, flats: list[torch.Tensor | None]) -> None:

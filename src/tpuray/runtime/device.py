@@ -144,14 +144,12 @@ class TpuTensor(torch.Tensor):
         handler = _SPECIAL.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        if func.namespace in _COLLECTIVE_NAMESPACES:
-            token = UNWRAPPED_COLLECTIVE.set(True)
-            try:
-                out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
-            finally:
-                UNWRAPPED_COLLECTIVE.reset(token)
-        else:
+        token = UNWRAPPED_COLLECTIVE.set(True) if func.namespace in _COLLECTIVE_NAMESPACES else None
+        try:
             out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
+        finally:
+            if token is not None:
+                UNWRAPPED_COLLECTIVE.reset(token)
         target = kwargs.get("device")
         if target is not None and torch.device(target).type != DEVICE_TYPE:
             return out  # e.g. zeros_like(t, device="cpu")
