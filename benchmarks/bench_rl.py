@@ -29,8 +29,15 @@ then 1 again, and vLLM (its external launcher) over each at level 1; the medians
 generate, sleep), sync and iteration seconds and the bytes sleep freed, side by side, and the ratios
 (vLLM / embedded, tpu_dist / object_store, level 2 / level 1).
 
+Overlap on cores of their own (`--only overlap`, not part of `all`): the sequential and the overlapped
+RLRun (`--trainer tpuray`, then with `--overlap`) on two emulated slices that share the machine's cores
+(as in `all`), then on two slices with cores of their own (`EmulatedCluster(cores="per_slice")`: each
+slice's processes on half the cores, as a real slice computes on its own chips); the overlap / sequential
+ratio for each, and the overlapped iteration on cores of their own against the sequential one on shared
+cores (the wall time this machine gains, or loses).
+
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
-                                            [--only all|sync|transports|colocated]
+                                            [--only all|sync|transports|colocated|overlap]
                                             [--weight-sync object_store tpu_dist] [--engine embedded vllm]
 """
 
@@ -285,6 +292,44 @@ def bench_iterations(iterations: int, *extra: str) -> list:
     return grpo.run(grpo.parse_args(["--iterations", str(iterations), *extra]))
 
 
+def bench_overlap(iterations: int) -> dict[str, tuple[list, list]]:
+    """Sequential and overlapped RLRun histories on two emulated v6e 2x2 slices, by `cores` setting: the
+    slices sharing every core, then each on cores of its own."""
+    import ray
+
+    from tpuray.emulator import EmulatedCluster, SliceRequest
+
+    out = {}
+    for cores in ("shared", "per_slice"):
+        two = [SliceRequest("TPU-V6E", "2x2", count=2)]
+        cluster = EmulatedCluster(two, head_cpus=2, cores=cores).start()  # type: ignore[arg-type]
+        cluster.connect()
+        try:
+            sequential = bench_iterations(iterations, "--trainer", "tpuray")
+            overlapped = bench_iterations(iterations, "--trainer", "tpuray", "--overlap")
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        out[cores] = (sequential, overlapped)
+    return out
+
+
+def print_overlap(runs: dict[str, tuple[list, list]]) -> None:
+    totals = {}
+    for cores, (sequential, overlapped) in runs.items():
+        seq = print_split(f"RLRun, sequential, cores={cores!r}", sequential)
+        totals[cores] = (seq, print_split(f"RLRun, overlap, cores={cores!r}", overlapped))
+    print()
+    for cores, (seq, ovl) in totals.items():
+        verdict = "met" if ovl / seq <= 0.7 else "not met"
+        print(f"overlap / sequential iteration, cores={cores!r}: {ovl / seq:.2f}x (goal <= 0.7x: {verdict})")
+    ovl_own, seq_shared = totals["per_slice"][1], totals["shared"][0]
+    print(
+        f"overlapped on cores of their own / sequential on shared cores: {ovl_own / seq_shared:.2f}x "
+        "(wall time on this machine: each slice has a share of its cores)"
+    )
+
+
 def print_split(title: str, history: list) -> float:
     """The median split of the steady iterations (the first pays start-up); returns the median
     iteration's wall time."""
@@ -345,10 +390,11 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=10, help="GRPO iterations per iteration-split run")
     ap.add_argument(
         "--only",
-        choices=("all", "sync", "transports", "colocated"),
+        choices=("all", "sync", "transports", "colocated", "overlap"),
         default="all",
         help="sync: the weight-sync tables only (no GRPO runs); transports: the RLRun transports table only; "
-        "colocated: the colocated RLRun per engine only",
+        "colocated: the colocated RLRun per engine only; overlap: sequential vs overlapped RLRun on shared "
+        "cores, then with each slice on cores of its own",
     )
     ap.add_argument(
         "--weight-sync",
@@ -372,6 +418,9 @@ def main() -> int:
     from tpuray.emulator import EmulatedCluster, SliceRequest
 
     ray.cloudpickle.register_pickle_by_value(_rl_anchors)  # its actors go to the workers by value
+    if args.only == "overlap":
+        print_overlap(bench_overlap(args.iterations))
+        return 0
 
     cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=2).start()
     cluster.connect()

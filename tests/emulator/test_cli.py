@@ -47,6 +47,20 @@ def test_bad_autoscale_flags_are_usage_errors(tmp_path) -> None:
     assert "--max-slices TYPE:TOPOLOGY=N" in helped.stdout and "Ray's own autoscaler" in helped.stdout
 
 
+def test_bad_cores_are_usage_errors(tmp_path) -> None:
+    state = ["--state-dir", str(tmp_path)]
+    auto = _tpuray(
+        "emulate", "up", "--cores", "per_slice", "--autoscale", "--max-slices", "v6e:2x2=1", *state
+    )
+    assert auto.returncode == 2 and "Ray's autoscaler starts its slices itself" in auto.stderr
+    many = str(len(os.sched_getaffinity(0)) + 1)
+    crowded = _tpuray("emulate", "up", "--cores", "per_slice", "--num-slices", many, *state)
+    assert crowded.returncode == 2 and f"each of the {many} slices cores of its own" in crowded.stderr
+    bad = _tpuray("emulate", "up", "--cores", "pinned", *state)
+    assert bad.returncode == 2 and "invalid choice: 'pinned'" in bad.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
 def test_status_lists_emulated_slices(emulated_cluster) -> None:
     out = _tpuray("status", "--address", emulated_cluster.address)
     assert out.returncode == 0, out.stderr

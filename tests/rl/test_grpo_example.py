@@ -31,6 +31,13 @@ def test_reward_and_advantages():
         grpo.parse_args(["--overlap"])  # needs --trainer tpuray
     with pytest.raises(SystemExit):
         grpo.parse_args(["--trainer", "tpuray", "--overlap", "--colocate"])  # colocated phases take turns
+    for starts_no_slice in (
+        ["--cores", "per_slice"],
+        ["--slice", "--address", "x:1", "--cores", "per_slice"],
+    ):
+        with pytest.raises(SystemExit):
+            grpo.parse_args(starts_no_slice)
+    assert grpo.parse_args(["--trainer", "tpuray", "--overlap", "--cores", "per_slice"]).cores == "per_slice"
 
 
 def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):

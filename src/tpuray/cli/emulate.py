@@ -36,6 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-cpus", type=int, default=4, help="logical CPUs of the CPU-only head node")
     p.add_argument("--cpus-per-chip", type=int, default=2, help="logical CPUs per emulated chip")
     p.add_argument(
+        "--cores",
+        choices=("shared", "per_slice"),
+        default="shared",
+        help="where the slices' processes compute: shared (every core, default) or per_slice (each slice "
+        "started now on cores of its own, as a real slice on its own chips: at most one slice per core; "
+        "not with --autoscale)",
+    )
+    p.add_argument(
         "--state-dir", default=None, help="where the running cluster is recorded (~/.tpuray/emulator)"
     )
     a = p.add_argument_group(
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 cpus_per_chip=args.cpus_per_chip,
                 path=args.state_dir,
                 autoscale=autoscale,
+                cores=args.cores,
             )
         except RuntimeError as e:
             print(f"tpuray emulate up: {e}")
@@ -166,4 +175,5 @@ def _print_state(state: dict) -> None:
         print(
             f"  slice {s['name']}: {s['accelerator_type']} {s['topology']} ({s['pod_type']}), "
             f"{s['hosts']} host(s) x {s['chips_per_host']} chips [emulated]"
+            + (f", on core(s) {','.join(map(str, s['cores']))}" if s.get("cores") else "")
         )

@@ -9,6 +9,7 @@ node also carries `tpuray.io/emulated=true` and `TPURAY_EMULATION=1` (in every w
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,15 @@ from tpuray.emulator.hosts import (
     _vllm_env,
     start_host,
 )
-from tpuray.emulator.spec import EmulatedSlice, HostSpec, SliceRequest, plan_slices
+from tpuray.emulator.spec import (
+    SLICE_CORES,
+    EmulatedSlice,
+    HostSpec,
+    SliceCores,
+    SliceRequest,
+    plan_slices,
+    split_cores,
+)
 from tpuray.validation import ConfigError, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -38,6 +47,10 @@ class EmulatedCluster:
     with EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=4) as cluster:
         cluster.connect()           # or ray.init(address=cluster.address)
         cluster.slices              # [EmulatedSlice(name, topology, hostnames, node_ids), ...]
+
+    `cores`: where the hosts' processes compute (`tpuray.emulator.spec.SliceCores`): "shared" (every core)
+    or "per_slice" (each slice on cores of its own, as a real slice on its own chips; Linux only, slices
+    started by hand only, at most one slice per core).
     """
 
     def __init__(
@@ -53,6 +66,7 @@ class EmulatedCluster:
         autoscale: bool = False,
         max_slices: Mapping[tuple[str, str], int] | None = None,
         idle_timeout_s: float | None = None,
+        cores: SliceCores = "shared",
     ) -> None:
         if isinstance(slices, SliceRequest):
             slices = [slices]
@@ -75,6 +89,7 @@ class EmulatedCluster:
         self.host_memory_bytes = int(host_memory_gb * 1024**3)
         self.object_store_bytes = object_store_mb * 1024**2
         self.name_prefix = name_prefix
+        self.cores: SliceCores = _checked_cores(cores, self.autoscale is not None)
         self.include_dashboard = include_dashboard
         self._connect_on_enter = connect
         # Validate the whole plan before starting anything.
@@ -87,7 +102,11 @@ class EmulatedCluster:
         if self.autoscale is not None and not self.requests:
             check_positive_int("cpus_per_chip", self.cpus_per_chip)
             return []  # an autoscaling cluster may start with no slice at all
-        return plan_slices(self.requests, ip, self.name_prefix, self.cpus_per_chip, self.host_memory_bytes)
+        slices = plan_slices(self.requests, ip, self.name_prefix, self.cpus_per_chip, self.host_memory_bytes)
+        if self.cores == "per_slice":
+            for sl, cores in zip(slices, split_cores(len(slices), os.sched_getaffinity(0)), strict=True):
+                sl.cores = cores
+        return slices
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -151,8 +170,9 @@ class EmulatedCluster:
         return env, {**args, "env_vars": {**_vllm_env(), **args["env_vars"]}}
 
     def _add_host(self, host: HostSpec) -> Any:
+        cores = next(sl.cores for sl in self.slices if sl.name == host.slice_name)
         return start_host(
-            self._cluster, host, {**self._extra_host_env, **_vllm_env()}, self.object_store_bytes
+            self._cluster, host, {**self._extra_host_env, **_vllm_env()}, self.object_store_bytes, cores
         )
 
     def add_slices(self, request: SliceRequest) -> list[EmulatedSlice]:
@@ -162,6 +182,11 @@ class EmulatedCluster:
 
         if self._cluster is None:
             raise RuntimeError("emulated cluster is not running: call start() first")
+        if self.cores == "per_slice":
+            raise ConfigError(
+                "add_slices on a cluster with cores='per_slice': its cores were split among the slices it "
+                "started with; start every slice at once (or use cores='shared')"
+            )
         planned = plan_slices(
             [*self.requests, request],
             ray.util.get_node_ip_address(),
@@ -370,9 +395,24 @@ class EmulatedCluster:
         for r in self.requests:
             t = r.slice_topology
             parts.append(f"{r.count} x {t.generation.accelerator_type} {t.topology} ({t.num_hosts} host(s))")
-        return "emulated TPU: " + ", ".join(parts)
+        own = "; each slice on cores of its own" if self.cores == "per_slice" else ""
+        return "emulated TPU: " + ", ".join(parts) + own
 
     def __repr__(self) -> str:
         state = f"address={self._cluster.address!r}" if self._cluster else "stopped"
         names = [sl.name for sl in self.slices]
         return f"EmulatedCluster({self.describe()}; slices={names}; {state})"
+
+
+def _checked_cores(cores: str, autoscale: bool) -> SliceCores:
+    """`cores` where valid (EmulatedCluster's docstring), else ConfigError naming it and the valid set."""
+    if cores not in SLICE_CORES:
+        raise ConfigError(f"cores={cores!r} is invalid; valid: {', '.join(map(repr, SLICE_CORES))}")
+    if cores == "per_slice" and autoscale:
+        raise ConfigError(
+            "cores='per_slice' pins slices started by hand; Ray's autoscaler starts its slices itself "
+            "(use cores='shared' with autoscale=True)"
+        )
+    if cores == "per_slice" and not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("cores='per_slice' needs Linux's sched_setaffinity; use cores='shared' here")
+    return cores  # type: ignore[return-value]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tpuray.constants import STATE_DIR_ENV
+from tpuray.emulator.spec import SliceCores
 from tpuray.validation import ConfigError, check_positive_int
 
 STATE_FILE = "cluster.json"
@@ -70,20 +71,13 @@ def up(
     path: str | os.PathLike | None = None,
     timeout_s: float = 300.0,
     autoscale: dict[str, Any] | None = None,
+    cores: SliceCores = "shared",
 ) -> dict[str, Any]:
     """Start a detached emulated cluster and return its state once it is ready. `autoscale`:
     {"max_slices": ["TYPE:TOPOLOGY=N", ...], "idle_timeout_s": s} for slices on demand (then
-    `num_slices` may be 0)."""
-    from tpuray.emulator.autoscale import AutoscaleSpec, parse_max_slices
-    from tpuray.emulator.spec import SliceRequest
-
-    # Validate before starting anything.
-    if autoscale is None or num_slices:
-        SliceRequest(accelerator_type, topology, num_slices)
-    if autoscale is not None:
-        AutoscaleSpec(parse_max_slices(autoscale["max_slices"]), autoscale["idle_timeout_s"])
-    check_positive_int("head_cpus", head_cpus, minimum=0)
-    check_positive_int("cpus_per_chip", cpus_per_chip)
+    `num_slices` may be 0); `cores`: EmulatedCluster's."""
+    # Validate before starting anything: the cluster the detached process will start, planned only.
+    _planned(accelerator_type, topology, num_slices, head_cpus, cpus_per_chip, autoscale, cores)
     directory = state_dir(path)
     running = read_state(directory)
     if running:
@@ -95,7 +89,7 @@ def up(
     log = directory / LOG_FILE
     cmd = [sys.executable, "-m", "tpuray.emulator.detached", "--state-dir", str(directory)]
     cmd += ["--accelerator-type", accelerator_type, "--topology", topology, "--num-slices", str(num_slices)]
-    cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip)]
+    cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip), "--cores", cores]
     if autoscale is not None:
         cmd += ["--idle-timeout-s", str(autoscale["idle_timeout_s"])]
         cmd += [f"--max-slices={item}" for item in autoscale["max_slices"]]
@@ -116,6 +110,38 @@ def up(
         time.sleep(0.5)
     proc.terminate()
     raise TimeoutError(f"emulated cluster not ready after {timeout_s}s; log: {log}")
+
+
+def _planned(
+    accelerator_type: str,
+    topology: str,
+    num_slices: int,
+    head_cpus: int,
+    cpus_per_chip: int,
+    autoscale: dict[str, Any] | None,
+    cores: SliceCores,
+) -> Any:
+    """The EmulatedCluster `up` starts, planned (ConfigError naming a bad value), not started."""
+    from tpuray.emulator.autoscale import parse_max_slices
+    from tpuray.emulator.cluster import EmulatedCluster
+    from tpuray.emulator.spec import SliceRequest
+
+    check_positive_int("num_slices", num_slices, minimum=0 if autoscale is not None else 1)
+    requests = [SliceRequest(accelerator_type, topology, num_slices)] if num_slices else []
+    extra: dict[str, Any] = {}
+    if autoscale is not None:
+        extra = {
+            "autoscale": True,
+            "max_slices": parse_max_slices(autoscale["max_slices"]),
+            "idle_timeout_s": autoscale["idle_timeout_s"],
+        }
+    return EmulatedCluster(
+        requests,
+        head_cpus=head_cpus,
+        cpus_per_chip=cpus_per_chip,
+        cores=cores,
+        **extra,
+    )
 
 
 def down(path: str | os.PathLike | None = None, timeout_s: float = 120.0) -> dict[str, Any] | None:
@@ -213,6 +239,7 @@ def _state(cluster: Any) -> dict[str, Any]:
                 "hosts": s.topology.num_hosts,
                 "chips_per_host": s.topology.chips_per_host,
                 "node_ids": list(s.node_ids),
+                "cores": list(s.cores),
             }
             for s in cluster.slices
         ],
@@ -228,25 +255,20 @@ def _write_state(directory: Path, state: dict[str, Any]) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tpuray.emulator.autoscale import parse_max_slices
-    from tpuray.emulator.cluster import EmulatedCluster
-    from tpuray.emulator.spec import SliceRequest
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     directory = Path(args.state_dir)
     stop = threading.Event()
-    requests = (
-        [SliceRequest(args.accelerator_type, args.topology, args.num_slices)] if args.num_slices else []
-    )
-    autoscale: dict[str, Any] = {}
+    autoscale = None
     if args.max_slices:
-        autoscale = {
-            "autoscale": True,
-            "max_slices": parse_max_slices(args.max_slices),
-            "idle_timeout_s": args.idle_timeout_s,
-        }
-    cluster = EmulatedCluster(
-        requests, head_cpus=args.head_cpus, cpus_per_chip=args.cpus_per_chip, **autoscale
+        autoscale = {"max_slices": args.max_slices, "idle_timeout_s": args.idle_timeout_s}
+    cluster = _planned(
+        args.accelerator_type,
+        args.topology,
+        args.num_slices,
+        args.head_cpus,
+        args.cpus_per_chip,
+        autoscale,
+        args.cores,
     )
     with cluster:
         # After start: Ray's node start installs its own SIGTERM handler; ours shuts down cleanly.
@@ -277,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-slices", type=int, default=1)
     p.add_argument("--head-cpus", type=int, default=4)
     p.add_argument("--cpus-per-chip", type=int, default=2)
+    p.add_argument("--cores", default="shared")
     p.add_argument("--max-slices", action="append", default=None)
     p.add_argument("--idle-timeout-s", type=float, default=60.0)
     return _serve(p.parse_args(argv))

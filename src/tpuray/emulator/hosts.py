@@ -51,6 +51,22 @@ def _host_environ(env: dict[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
+@contextmanager
+def _on_cores(cores: tuple[int, ...]) -> Iterator[None]:
+    """Processes this thread starts inside the block run on `cores` alone (() changes nothing): Linux hands
+    a thread's CPU affinity to the processes it starts, and a raylet hands its own to the workers it
+    starts. Other threads keep theirs."""
+    if not cores:
+        yield
+        return
+    saved = os.sched_getaffinity(0)  # 0: this thread
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 def _torch_tpu_env() -> dict[str, str]:
     """The torch_tpu part of every emulated host's env. Where torch_tpu is installed: probe it once here
     (seconds) and hand the answer to every host, so that their workers do not each probe again; warn when
@@ -164,11 +180,18 @@ def _add_node_with_retry(cluster: Any, attempts: int = 3, **node_args: Any) -> A
     raise AssertionError("unreachable")
 
 
-def start_host(cluster: Any, host: HostSpec, extra_env: dict[str, str], object_store_bytes: int) -> Any:
+def start_host(
+    cluster: Any,
+    host: HostSpec,
+    extra_env: dict[str, str],
+    object_store_bytes: int,
+    cores: tuple[int, ...] = (),
+) -> Any:
     """Start one emulated TPU host as a raylet of `cluster` (anything with Cluster.add_node's signature),
-    with the host's resources, labels and env (plus `extra_env`) in place while Ray detects them."""
+    with the host's resources, labels and env (plus `extra_env`) in place while Ray detects them; its
+    processes on `cores` alone where given (its slice's, cores="per_slice")."""
     env = {**host.env, **extra_env}
-    with _host_environ(env):
+    with _host_environ(env), _on_cores(cores):
         return _add_node_with_retry(
             cluster,
             num_cpus=host.num_cpus,

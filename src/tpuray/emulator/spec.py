@@ -7,7 +7,9 @@ detect on a real GKE/KubeRay TPU host, plus the markers that say the host is emu
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tpuray.constants import (
     ACCELERATOR_LABEL,
@@ -29,6 +31,15 @@ from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, check_positive_int
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
+
+SliceCores = Literal["shared", "per_slice"]
+"""Where the emulated hosts' processes (raylets and the workers they start) compute:
+
+- "shared": on every core this process may use, all slices together (Ray's default);
+- "per_slice": each slice started by hand on cores of its own (`split_cores`), as a real slice computes on
+  its own chips: work on two slices at once (a trainer and a rollout engine) does not slow each other the
+  way it does on shared cores. The head (drivers, Serve) keeps every core."""
+SLICE_CORES: tuple[str, ...] = ("shared", "per_slice")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class EmulatedSlice:
     hostnames: list[str]
     node_ids: list[str] = field(default_factory=list)
     hosts: list[HostSpec] = field(default_factory=list, repr=False)
+    cores: tuple[int, ...] = ()  # the cores its hosts' processes run on (cores="per_slice"); (): shared
 
     @property
     def emulated(self) -> bool:
@@ -88,7 +100,8 @@ class EmulatedSlice:
         t = self.topology
         return (
             f"EmulatedSlice(name={self.name!r}, {t.generation.accelerator_type} {t.topology}, "
-            f"hosts={t.num_hosts}, chips_per_host={t.chips_per_host}, node_ids={self.node_ids!r}, emulated)"
+            f"hosts={t.num_hosts}, chips_per_host={t.chips_per_host}, node_ids={self.node_ids!r}, "
+            f"{f'cores={self.cores}, ' if self.cores else ''}emulated)"
         )
 
 
@@ -170,3 +183,17 @@ def plan_slices(
             hosts = host_specs(topo, name, hostname, cpus_per_chip, host_memory_bytes)
             slices.append(EmulatedSlice(name, topo, [hostname] * topo.num_hosts, hosts=hosts))
     return slices
+
+
+def split_cores(count: int, usable: Iterable[int]) -> list[tuple[int, ...]]:
+    """`count` disjoint sets of equally many of the `usable` cores, in order: one per slice
+    (cores="per_slice"); the cores left over where they do not divide evenly serve the head alone.
+    ConfigError where there are fewer cores than slices."""
+    cores = sorted(usable)
+    if count > len(cores):
+        raise ConfigError(
+            f"cores='per_slice' gives each of the {count} slices cores of its own; this process may use "
+            f"{len(cores)} core(s) {cores}: start at most {len(cores)} slice(s), or use cores='shared'"
+        )
+    per = len(cores) // count
+    return [tuple(cores[i * per : (i + 1) * per]) for i in range(count)]

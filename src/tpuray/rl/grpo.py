@@ -311,6 +311,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlap", action="store_true", help="--trainer tpuray: generate the next batch while training"
     )
     parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
+    parser.add_argument(
+        "--cores",
+        choices=("shared", "per_slice"),
+        default="shared",
+        help="the emulated slices it starts (--slice, --trainer tpuray) compute on every core (shared), or "
+        "each on cores of its own (per_slice: as real slices on their own chips, so that --overlap's two "
+        "phases do not slow each other down)",
+    )
     parser.add_argument("--png", default=None, help="plot the mean reward per iteration to this file")
     args = parser.parse_args(argv)
     for name in ("iterations", "group", "words", "max_tokens", "epochs"):
@@ -322,6 +330,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.overlap and args.colocate:
         parser.error("--overlap and --colocate exclude each other (colocated phases take turns on the chips)")
+    if args.cores != "shared" and (args.address or not (args.slice or args.trainer == "tpuray")):
+        parser.error(
+            f"--cores {args.cores} applies to the emulated slices this example starts (--slice or "
+            "--trainer tpuray, without --address)"
+        )
     if args.overlap and args.trainer != "tpuray":
         parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
     return args
@@ -339,7 +352,8 @@ def main(argv: list[str] | None = None) -> list[Iteration]:
             from tpuray.emulator import EmulatedCluster, SliceRequest
 
             slices = 2 if args.trainer == "tpuray" else 1
-            cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=slices)], head_cpus=2)
+            two = [SliceRequest("TPU-V6E", "2x2", count=slices)]
+            cluster = EmulatedCluster(two, head_cpus=2, cores=args.cores)
             cluster.start()
             cluster.connect()
     try:
