@@ -17,6 +17,8 @@ ACCELERATOR_LABEL = "ray.io/accelerator-type"
 # tpuray's own labels: which nodes are emulated TPU hosts, and the emulated cluster's CPU head.
 EMULATED_LABEL = "tpuray.io/emulated"
 ROLE_LABEL = "tpuray.io/role"
+# the cores an emulated host computes on where its slice has cores of its own (cores="per_slice"): "0,1"
+EMULATED_CORES_LABEL = "tpuray.io/emulated-cores"
 
 # -- Ray resources ---------------------------------------------------------------------------------------
 TPU_RESOURCE = "TPU"

@@ -58,6 +58,8 @@ with EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=1, cor
     out = {"planned": {s.name: list(s.cores) for s in c.slices}}
     out["workers"] = {s.name: on(s.name) for s in c.slices}
     out["driver"] = sorted(os.sched_getaffinity(0))
+    from tpuray.slices import format_slices, list_slices
+    out["status"] = format_slices(list_slices())
     last = c.slices[1]
     c.restore_host(c.kill_host(last.node_ids[0]))  # a replacement host keeps its slice's cores
     out["restored"] = on(last.name)
@@ -76,3 +78,6 @@ def test_per_slice_cores_pin_each_slice_its_workers_and_a_restored_host() -> Non
     assert out["workers"] == planned  # the raylet's workers inherit its slice's cores
     assert out["restored"] == planned["emulated-v6e-4-1"]
     assert out["driver"] == USABLE  # the driver (and the head) keep every core
+    for name, cores in planned.items():  # labelled: `tpuray status` shows them
+        (row,) = [line for line in out["status"].splitlines() if line.startswith(name)]
+        assert row.endswith(f"EMULATED (cores {','.join(map(str, cores))})"), out["status"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tpuray.constants import VLLM_PLATFORM_ENV
+from tpuray.constants import EMULATED_CORES_LABEL, VLLM_PLATFORM_ENV
 from tpuray.emulator.spec import HostSpec
 from tpuray.validation import ConfigError
 
@@ -191,6 +191,7 @@ def start_host(
     with the host's resources, labels and env (plus `extra_env`) in place while Ray detects them; its
     processes on `cores` alone where given (its slice's, cores="per_slice")."""
     env = {**host.env, **extra_env}
+    labels = {**host.labels, **({EMULATED_CORES_LABEL: ",".join(map(str, cores))} if cores else {})}
     with _host_environ(env), _on_cores(cores):
         return _add_node_with_retry(
             cluster,
@@ -198,7 +199,7 @@ def start_host(
             memory=host.memory,
             object_store_memory=object_store_bytes,
             resources=dict(host.resources),
-            labels=dict(host.labels),
+            labels=labels,
             env_vars=env,
             node_name=host.node_name,
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tpuray.constants import (
     ACCELERATOR_LABEL,
+    EMULATED_CORES_LABEL,
     EMULATED_LABEL,
     POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
@@ -31,6 +32,7 @@ class SliceInfo:
     free_chips: int = 0
     head_free: bool = False
     draining: bool = False  # a host has a preemption notice (Ray drain): nothing new is placed there
+    cores: str = ""  # emulated with cores of its own (cores="per_slice"): which, e.g. "0,1"; else ""
 
     @property
     def hosts(self) -> int:
@@ -77,6 +79,7 @@ def list_slices() -> list[SliceInfo]:
                 topology=labels.get(TOPOLOGY_LABEL, ""),
                 pod_type=labels.get(POD_TYPE_LABEL, ""),
                 emulated=labels.get(EMULATED_LABEL) == "true",
+                cores=labels.get(EMULATED_CORES_LABEL, ""),
             )
             try:
                 info.expected_hosts = SliceTopology.parse(info.pod_type, info.topology).num_hosts
@@ -96,6 +99,12 @@ def list_slices() -> list[SliceInfo]:
     for name, info in slices.items():
         info.node_ids = [node_id for _, node_id in sorted(workers[name])]
     return [slices[k] for k in sorted(slices)]
+
+
+def _kind(s: SliceInfo) -> str:
+    if not s.emulated:
+        return "real"
+    return f"EMULATED (cores {s.cores})" if s.cores else "EMULATED"
 
 
 def format_slices(slices: list[SliceInfo]) -> str:
@@ -119,7 +128,7 @@ def format_slices(slices: list[SliceInfo]) -> str:
                 hosts,
                 f"{s.free_chips}/{s.chips}",
                 state,
-                "EMULATED" if s.emulated else "real",
+                _kind(s),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
