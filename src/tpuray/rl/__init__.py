@@ -1,15 +1,17 @@
 """Reinforcement-learning substrate (issue 23): a rollout engine with weight updates, for frameworks
 such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See docs/rl.md.
 
-- `RolloutConfig`, `RolloutEngine`: batched `generate(prompts, SamplingParams) -> list[Rollout]` over
-  tpuray's embedded engine, in this process or tensor parallel on a TPU slice; `update_weights(state)`
-  (checked before anything is written), `sleep()` / `wake_up()`, `shutdown()`.
+- `RolloutConfig`, `RolloutEngine`: batched `generate(prompts, SamplingParams, n=1) -> list[Rollout]` over
+  vLLM (`VLLMRolloutEngine`, where installed) or tpuray's embedded engine, in this process or tensor
+  parallel on a TPU slice; `update_weights(state)` (checked before anything is written), `sleep()` /
+  `wake_up()`, `shutdown()`.
 - `weights`: the Hugging Face name <-> engine tensor mapping (one place); `put_shards(state, config, tp)`
   cuts an update per tensor-parallel rank where the state lives, so each engine rank receives its part.
 - `sync`: weight sync from a `tpuray.train` run: `WeightSync` (driver) / `SyncTarget.send` (every trainer
   rank sends only its shard, FSDP2; rank 0 the full state, DDP) -> a `TrainerUpdate` for `update_weights`.
   Transports (`RLConfig.weight_sync`): "tpu_dist" (`collective`: a process group spanning both sides'
-  workers, the data point to point) or "object_store" (ObjectRefs through the driver; colocated's one).
+  workers, the data point to point; colocated, the in-process hand-over, `handover`) or "object_store"
+  (ObjectRefs through the driver).
 - `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated, or
   colocated: the engine inside the trainer's workers, `colocate`, or vLLM there, `vllm_colocated`),
   joined by a batch -> train -> sync loop, optionally overlapped (off-policy by one step).

@@ -9,7 +9,9 @@ their logprobs; the reward is 1 for exactly N words, less the further the count 
 advantage is the reward's z-score within its group; the trainer (plain PyTorch on this process's CPU:
 the same Hugging Face model the engine serves) takes one clipped policy-gradient step; the new weights
 go to the engine with `update_weights` (checked, then put once in Ray's object store and cut into each
-tensor-parallel rank's shard on a slice). The first line of each iteration's output shows the mean
+tensor-parallel rank's shard on a slice). With `--trainer tpuray` the trainer is FSDP2 on tpuray.train's
+workers instead, and the weights go through `RLRun`'s sync (`weight_sync="tpu_dist"`; colocated, the
+in-process hand-over). The first line of each iteration's output shows the mean
 reward rising; `logp_gap` is the largest gap between the engine's and the trainer's logprobs of the same
 tokens (the weights the engine samples with are the trainer's).
 

@@ -29,8 +29,9 @@ newer one sends, `receive` returns the newest attempt's first complete update (a
 re-sends the versions after its checkpoint), and batches stay in the mailbox so that a restarted rank
 can take batch k again. Over "tpu_dist" each attempt forms its own group with the engine's workers
 (`Channel.generation`). Colocated, a rank says where it waits (`ready` keys, with its actor handle, where
-the next engine starts after a restart) and its pieces are handed to the mailbox, which owns them
-(`Mailbox.hand_over`): the last update outlives a lost attempt.
+the next engine starts after a restart); over "object_store" its pieces are handed to the mailbox,
+which owns them (`Mailbox.hand_over`): the last update outlives a lost attempt; over "tpu_dist" the
+update lives only in its senders' processes (`tpuray.rl.handover`).
 
 Rollout restarts (docs/rl.md "Rollout restarts"): over "object_store" the driver reloads the last
 update's ObjectRefs into the new engine. Over "tpu_dist" the new engine is a new incarnation

@@ -70,7 +70,8 @@ class _RolloutVLLMEngine(VLLMEngine):
 
 def vllm_params(params: SamplingParams, index: int) -> Any:
     """tpuray's SamplingParams as vLLM's (every field by name; one vLLM has not is refused when set).
-    A seeded prompt i samples with seed + i: repeated prompts of a seeded batch give distinct samples."""
+    A seeded sample `index` of the batch (prompts expanded by n) draws with seed + index: repeated prompts
+    of a seeded batch give distinct samples."""
     import vllm
     from vllm.sampling_params import RequestOutputKind
 

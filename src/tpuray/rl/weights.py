@@ -17,8 +17,9 @@ loading the same checkpoint from disk would:
   shards and put each in Ray's object store: a `ShardedUpdate`, so that each engine rank receives only its
   part; `check_shards` is the receiving rank's check;
 - `embedded_part(name, full_shape, rank, world_size)`: a rank's part of one HF tensor, as (dim, lo, hi);
-  `join_pieces` / `assemble` rebuild a rank's parts from the pieces trainer ranks sent. Both take the
-  layout as a `part` function: `embedded_part` by default, `tpuray.rl.vllm_layout.vllm_part` for vLLM.
+  `join_pieces` / `assemble` rebuild a rank's parts from the pieces trainer ranks sent: `join_pieces`
+  takes the layout as a `part` function (`embedded_part` by default, `tpuray.rl.vllm_layout.vllm_part`
+  for vLLM); `assemble` is the embedded engine's (`embedded_part`, fused).
 """
 
 from __future__ import annotations
