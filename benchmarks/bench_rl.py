@@ -298,9 +298,10 @@ def bench_overlap(iterations: int) -> dict[str, tuple[list, list]]:
     import ray
 
     from tpuray.emulator import EmulatedCluster, SliceRequest
+    from tpuray.emulator.spec import SLICE_CORES
 
     out = {}
-    for cores in ("shared", "per_slice"):
+    for cores in SLICE_CORES:
         two = [SliceRequest("TPU-V6E", "2x2", count=2)]
         cluster = EmulatedCluster(two, head_cpus=2, cores=cores).start()  # type: ignore[arg-type]
         cluster.connect()

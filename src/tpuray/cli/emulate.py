@@ -6,6 +6,7 @@ import argparse
 import time
 
 from tpuray.cli import UsageError
+from tpuray.emulator.spec import SLICE_CORES
 from tpuray.validation import check_positive_int
 
 
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-chip", type=int, default=2, help="logical CPUs per emulated chip")
     p.add_argument(
         "--cores",
-        choices=("shared", "per_slice"),
+        choices=SLICE_CORES,
         default="shared",
         help="where the slices' processes compute: shared (every core, default) or per_slice (each slice "
         "started now on cores of its own, as a real slice on its own chips: at most one slice per core; "

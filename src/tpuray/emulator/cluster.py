@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tpuray.constants import ROLE_LABEL
 from tpuray.emulator.autoscale import AutoscaleSpec, autoscaling_head, published_slices
@@ -415,4 +415,4 @@ def _checked_cores(cores: str, autoscale: bool) -> SliceCores:
         )
     if cores == "per_slice" and not hasattr(os, "sched_setaffinity"):
         raise ConfigError("cores='per_slice' needs Linux's sched_setaffinity; use cores='shared' here")
-    return cores  # type: ignore[return-value]
+    return cast(SliceCores, cores)

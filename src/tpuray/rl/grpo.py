@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpuray.emulator.spec import SLICE_CORES
+
 PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
 
 
@@ -315,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
     parser.add_argument(
         "--cores",
-        choices=("shared", "per_slice"),
+        choices=SLICE_CORES,
         default="shared",
         help="the emulated slices it starts (--slice, --trainer tpuray) compute on every core (shared), or "
         "each on cores of its own (per_slice: as real slices on their own chips, so that --overlap's two "
