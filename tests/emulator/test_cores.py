@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tpuray.emulator import EmulatedCluster, SliceRequest
+from tpuray.emulator.hosts import _on_cores
 from tpuray.emulator.spec import split_cores
 from tpuray.validation import ConfigError
 
@@ -45,6 +46,7 @@ def test_bad_cores_are_refused_before_starting() -> None:
 _DRIVER = """
 import json, os, sys, ray
 from tpuray.emulator import EmulatedCluster, SliceRequest
+from tpuray.emulator.hosts import _on_cores
 
 @ray.remote(num_cpus=0)
 def cores():
@@ -68,6 +70,23 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(len(USABLE) < 2, reason="two disjoint sets need two cores")
+def test_a_process_started_on_cores_keeps_them_and_the_starter_keeps_its_own() -> None:
+    """The mechanism a host start relies on: a process this thread starts inside `_on_cores` runs on those
+    cores alone (as a raylet does, and the workers it starts); the thread's own cores come back after."""
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with _on_cores((USABLE[-1],)):
+        pinned = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert json.loads(pinned) == [USABLE[-1]]
+    assert sorted(os.sched_getaffinity(0)) == USABLE
+    with _on_cores(()):  # (): shared, nothing changes
+        assert json.loads(subprocess.run(probe, capture_output=True, text=True, check=True).stdout) == USABLE
+
+
+@pytest.mark.full(
+    "CI: the split and every refusal (this module, test_cli.py) and a process started on a slice's cores "
+    "(test_a_process_started_on_cores_keeps_them...); here: a real two-slice cluster's workers"
+)
 @pytest.mark.skipif(len(USABLE) < 2, reason="cores='per_slice' with two slices needs two cores")
 def test_per_slice_cores_pin_each_slice_its_workers_and_a_restored_host() -> None:
     run = subprocess.run([sys.executable, "-c", _DRIVER], capture_output=True, text=True, timeout=300)
