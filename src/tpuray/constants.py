@@ -85,6 +85,7 @@ STATE_DIR_ENV = "TPURAY_STATE_DIR"
 KUBERAY_CRDS_ENV = "TPURAY_KUBERAY_CRDS"
 DEMO_PORT_ENV = "TPURAY_DEMO_PORT"
 MODEL_CACHE_ENV = "TPURAY_MODEL_CACHE"  # where model_source URLs are downloaded (~/.cache/tpuray/models)
+SLICE_DEMAND_ENV = "TPURAY_SLICE_DEMAND"  # how a reservation asks the autoscaler (tpuray.slices.demand)
 VLLM_PLATFORM_ENV = "TPURAY_VLLM_PLATFORM"  # "emulated-tpu": vLLM in this process serves an emulated slice
 # MLflow 3 refuses file stores unless this is "true": MLflowLoggerCallback sets it (when unset) for one.
 MLFLOW_ALLOW_FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"

@@ -42,6 +42,10 @@ def test_bad_autoscale_flags_are_usage_errors(tmp_path) -> None:
     assert bad.returncode == 2 and "3x3" in bad.stderr and "valid" in bad.stderr
     shape = _tpuray("emulate", "up", "--autoscale", "--max-slices", "v6e-2x2", *state)
     assert shape.returncode == 2 and "'v6e-2x2' is invalid: use TYPE:TOPOLOGY=N" in shape.stderr
+    again = _tpuray(
+        "emulate", "up", "--autoscale", "--max-slices", "v6e:2x2=1", "--max-slices", "v6e:2x2=4", *state
+    )
+    assert again.returncode == 2 and "names 'v6e:2x2' again: give each shape once" in again.stderr
     assert not any(tmp_path.iterdir())  # nothing started
     helped = _tpuray("emulate", "--help")
     assert "--max-slices TYPE:TOPOLOGY=N" in helped.stdout and "Ray's own autoscaler" in helped.stdout

@@ -12,8 +12,8 @@ chips and CPUs, what Ray's own single-host requests ask for (they have no head b
 multi-host slice is therefore a pending head bundle; demand for chips of a named multi-host slice (the
 second placement group of a reservation) is never a reason to start a multi-host slice.
 
-The provider publishes the slices it runs in the GCS KV store (`SLICES_KEY`) and the cluster publishes its
-node types (`NODE_TYPES_KEY`), read by `tpuray status` and by `SlicePlacementGroup` to fail fast.
+The provider publishes, in the GCS KV store, the slices it runs (`SLICES_KEY`) and its node types
+(`NODE_TYPES_KEY`), read by `tpuray status` and by `SlicePlacementGroup` to fail fast.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tpuray.validation import ConfigError, check_positive_int, is_number
 
 KV_NAMESPACE = "tpuray"
 SLICES_KEY = "emulator/autoscaled-slices"  # {slice name: {...}}, written by the provider
-NODE_TYPES_KEY = "emulator/autoscale-node-types"  # {node type: {...}}, written by EmulatedCluster
+NODE_TYPES_KEY = "emulator/autoscale-node-types"  # {node type: {...}}, written by the provider
 HEAD_NODE_TYPE = "ray.head.default"
 PROVIDER_MODULE = "tpuray.emulator.slice_provider.EmulatedSliceProvider"
 # Seconds between two rounds of Ray's monitor (Ray reads AUTOSCALER_UPDATE_INTERVAL_S as an integer).
@@ -127,7 +127,10 @@ def parse_max_slices(items: list[str]) -> dict[SliceKey, int]:
         accel, sep2, topology = shape.partition(":")
         if not (sep and sep2 and count.strip().isdigit() and accel and topology):
             raise ConfigError(f"--max-slices {item!r} is invalid: use TYPE:TOPOLOGY=N, e.g. TPU-V6E:4x4=2")
-        out[(accel.strip(), topology.strip())] = int(count)
+        key = (accel.strip(), topology.strip())
+        if key in out:
+            raise ConfigError(f"--max-slices {item!r} names {shape.strip()!r} again: give each shape once")
+        out[key] = int(count)
     return out
 
 

@@ -5,8 +5,9 @@ What the manifest gets (KubeRay v1.7 RayCluster API, `ray-operator/apis/ray/v1/r
 `upscalingMode`), and on the TPU worker group `minReplicas` / `maxReplicas` in slices. One replica is one
 slice of `numOfHosts` pods: Ray's KubeRay autoscaler multiplies both bounds by `numOfHosts` to get hosts
 (`ray.autoscaler._private.kuberay.autoscaling_config`), the v2 autoscaler divides its host count back by
-`numOfHosts` when it patches `replicas`, and it deletes a multi-host replica as a whole (the GKE webhook's
-`replicaIndex` pod label), so slices come and go atomically. See docs/autoscaling-k8s.md.
+`numOfHosts` when it patches `replicas`, and a pod it lists in `workersToDelete` makes KubeRay delete that
+pod's whole replica, so slices come and go whole (its idle timeout counts host by host: see
+docs/autoscaling-k8s.md).
 """
 
 from __future__ import annotations

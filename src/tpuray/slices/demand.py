@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from tpuray.constants import POD_TYPE_LABEL, SLICE_NAME_LABEL, WORKER_ID_LABEL
+from tpuray.constants import POD_TYPE_LABEL, SLICE_DEMAND_ENV, SLICE_NAME_LABEL, WORKER_ID_LABEL
 from tpuray.emulator.autoscale import check_slices_can_come
 from tpuray.slices.inventory import SliceInfo, list_slices
 from tpuray.topology import SliceTopology
@@ -35,7 +35,7 @@ from tpuray.validation import check_choice
 logger = logging.getLogger(__name__)
 
 SliceDemand = Literal["head", "whole"]
-DEMAND_ENV = "TPURAY_SLICE_DEMAND"
+DEMAND_ENV = SLICE_DEMAND_ENV
 DEMAND_CHOICES = ("auto", "head", "whole")
 # what a companion bundle holds on each other host of a slice: one byte of Ray's memory resource
 COMPANION: dict[str, float] = {"memory": 1.0}

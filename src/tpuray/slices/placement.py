@@ -1,7 +1,8 @@
 """SlicePlacementGroup: reserve whole TPU slices atomically with Ray placement groups.
 
 Same two steps as Ray's `ray.util.tpu.SlicePlacementGroup`, with the same constructor names:
-1. a head placement group `[{"TPU-<pod>-head": 1}] * num_slices` (label selector: worker id 0, pod type;
+1. a head placement group `[{"TPU-<pod>-head": 1}] * num_slices` (label selector: pod type, and worker
+   id 0 where the demand is `head`;
    one group for every slice, where Ray's makes one per slice, so several slices are had at once or not
    at all; on Ray's v2 autoscaler also one companion bundle per other host, so that the pending group
    reads as whole slices: tpuray.slices.demand) picks free slices; the slice name is read from the node

@@ -321,7 +321,8 @@ def _as_llm_config(value: Any) -> LLMConfig:
 class LLMServingArgs:
     """The OpenAI app: its models, the ingress deployment options and an optional API key.
 
-    `api_key` (or env TPURAY_SERVE_API_KEY) makes every /v1 request need `Authorization: Bearer <key>`.
+    `api_key` (or env TPURAY_SERVE_API_KEY) makes every /v1 request, /tokenize and /detokenize need
+    `Authorization: Bearer <key>` (/health and /metrics stay open).
 
     `single_deployment`: None (default) serves a one-model app as ONE deployment, the OpenAI routes and
     the engine in the same replica (one Serve hop fewer per request); several models, or an

@@ -1,6 +1,6 @@
 """Prometheus metrics of the OpenAI app: `GET /metrics` in Prometheus' text format.
 
-- HTTP requests by handler and status (`http_requests_total`, the name vLLM's server exports);
+- HTTP requests by handler, method and status (`http_requests_total`, the name vLLM's server exports);
 - the embedded engine's metrics under vLLM's names, so existing vLLM dashboards work:
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (KV slots in use),
   `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
