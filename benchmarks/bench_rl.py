@@ -303,7 +303,7 @@ def bench_overlap(iterations: int) -> dict[str, tuple[list, list]]:
     out = {}
     for cores in SLICE_CORES:
         two = [SliceRequest("TPU-V6E", "2x2", count=2)]
-        cluster = EmulatedCluster(two, head_cpus=2, cores=cores).start()  # type: ignore[arg-type]
+        cluster = EmulatedCluster(two, head_cpus=2, cores=cores).start()
         cluster.connect()
         try:
             sequential = bench_iterations(iterations, "--trainer", "tpuray")

@@ -30,7 +30,7 @@ def test_split_cores_gives_each_slice_as_many_cores_of_its_own() -> None:
 def test_bad_cores_are_refused_before_starting() -> None:
     one = [SliceRequest("TPU-V6E", "2x2")]
     with pytest.raises(
-        ConfigError, match=re.escape("cores='pinned' is invalid; valid: 'shared', 'per_slice'")
+        ConfigError, match=re.escape("cores='pinned' is not valid; valid: 'shared', 'per_slice'")
     ):
         EmulatedCluster(one, cores="pinned")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="Ray's autoscaler starts its slices itself"):
@@ -46,7 +46,6 @@ def test_bad_cores_are_refused_before_starting() -> None:
 _DRIVER = """
 import json, os, sys, ray
 from tpuray.emulator import EmulatedCluster, SliceRequest
-from tpuray.emulator.hosts import _on_cores
 
 @ray.remote(num_cpus=0)
 def cores():

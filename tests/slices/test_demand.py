@@ -17,9 +17,10 @@ from _util import in_thread, live_placement_groups, new_placement_groups
 from k8s.test_k8s_autoscale import _schedule
 from k8s.test_k8s_kuberay_provider import _launch, _provider
 from tpuray import SlicePlacementGroup
+from tpuray.constants import SLICE_DEMAND_ENV
 from tpuray.k8s import AutoscaleConfig, K8sConfig
 from tpuray.slices import SliceReservationTimeout
-from tpuray.slices.demand import DEMAND_ENV, slice_demand
+from tpuray.slices.demand import slice_demand
 from tpuray.validation import ConfigError
 
 
@@ -60,7 +61,7 @@ def test_a_pending_4x4_reservation_becomes_one_kuberay_slice(
     hosts, strictly spread, is 4 hosts of the slice's worker group = one replica. "head" (what the v1
     autoscaler gets): a head selected by worker id 0 matches no worker group, so nothing starts (the gap
     of docs/autoscaling-k8s.md that Ray's own reservations still have)."""
-    monkeypatch.setenv(DEMAND_ENV, demand)
+    monkeypatch.setenv(SLICE_DEMAND_ENV, demand)
     cfg = K8sConfig(
         "TPU-V6E", "4x4", num_slices=0, namespace="default", autoscale=AutoscaleConfig(max_slices=2)
     )
@@ -89,8 +90,8 @@ def test_a_pending_4x4_reservation_becomes_one_kuberay_slice(
 
 
 def test_slice_demand_follows_the_autoscaler_and_refuses_a_bad_value(emulated_cluster, monkeypatch) -> None:
-    monkeypatch.delenv(DEMAND_ENV, raising=False)
+    monkeypatch.delenv(SLICE_DEMAND_ENV, raising=False)
     assert slice_demand() == "head"  # the emulator's cluster runs no v2 autoscaler
-    monkeypatch.setenv(DEMAND_ENV, "slices")
-    with pytest.raises(ConfigError, match=f"{DEMAND_ENV}.*'slices'.*auto.*head.*whole"):
+    monkeypatch.setenv(SLICE_DEMAND_ENV, "slices")
+    with pytest.raises(ConfigError, match=f"{SLICE_DEMAND_ENV}.*'slices'.*auto.*head.*whole"):
         slice_demand()

@@ -8,9 +8,9 @@ import pytest
 import ray
 
 from tpuray import SlicePlacementGroup
+from tpuray.constants import SLICE_DEMAND_ENV
 from tpuray.emulator import SliceRequest
 from tpuray.slices import SliceClaim, SliceReservationTimeout, list_slices
-from tpuray.slices.demand import DEMAND_ENV
 from tpuray.topology import SliceTopology
 
 
@@ -67,7 +67,7 @@ def test_v6e_4x4_four_hosts(cluster_manager, pg_leak_check, monkeypatch) -> None
 
     # "whole" demand (Ray's v2 autoscaler, tpuray.slices.demand): the head and a companion on each other
     # host of the slice, strictly spread, then the hosts' bundles as before
-    monkeypatch.setenv(DEMAND_ENV, "whole")
+    monkeypatch.setenv(SLICE_DEMAND_ENV, "whole")
     with SlicePlacementGroup(topology="4x4", accelerator_version="v6e", timeout_s=60) as spg:
         (heads,) = spg.head_placement_groups
         assert heads.bundle_specs == [{"TPU-v6e-16-head": 1.0}] + [{"memory": 1.0}] * 3

@@ -36,7 +36,7 @@ from tpuray.emulator.spec import (
     plan_slices,
     split_cores,
 )
-from tpuray.validation import ConfigError, check_positive_int
+from tpuray.validation import ConfigError, check_choice, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -406,8 +406,7 @@ class EmulatedCluster:
 
 def _checked_cores(cores: str, autoscale: bool) -> SliceCores:
     """`cores` where valid (EmulatedCluster's docstring), else ConfigError naming it and the valid set."""
-    if cores not in SLICE_CORES:
-        raise ConfigError(f"cores={cores!r} is invalid; valid: {', '.join(map(repr, SLICE_CORES))}")
+    check_choice("cores", cores, SLICE_CORES)
     if cores == "per_slice" and autoscale:
         raise ConfigError(
             "cores='per_slice' pins slices started by hand; Ray's autoscaler starts its slices itself "

@@ -39,7 +39,7 @@ SliceCores = Literal["shared", "per_slice"]
 - "per_slice": each slice started by hand on cores of its own (`split_cores`), as a real slice computes on
   its own chips: work on two slices at once (a trainer and a rollout engine) does not slow each other the
   way it does on shared cores. The head (drivers, Serve) keeps every core."""
-SLICE_CORES: tuple[str, ...] = get_args(SliceCores)
+SLICE_CORES: tuple[SliceCores, ...] = get_args(SliceCores)
 
 
 @dataclass(frozen=True)

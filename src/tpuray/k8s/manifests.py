@@ -12,7 +12,8 @@ chips per host). What we set versus what the stack sets on its own:
   labels `ray.io/tpu-slice-name`, `ray.io/tpu-worker-id`, `ray.io/tpu-topology`,
   `ray.io/tpu-pod-type` - the same ones tpuray's emulator gives emulated hosts. A fixed cluster need
   not set them; an autoscaled group declares the two that are the same on every host (pod type,
-  topology; on a single-host slice also worker id 0) in its `labels`, so Ray's autoscaler can match slice demand to it (`autoscaler_node_labels`).
+  topology; on a single-host slice also worker id 0) in its `labels`, so Ray's autoscaler can match
+  slice demand to it (`autoscaler_node_labels`).
 - TorchTPU's per-process variables (TPU_VISIBLE_CHIPS, TORCH_TPU_*) are per worker process, set at
   run time by Ray and tpuray.train, not per pod.
 """

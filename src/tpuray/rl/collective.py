@@ -17,9 +17,9 @@ hosts' network (DCN on real slices), as the emulated tpu_dist's gloo does undern
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
 first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
-engine's workers join it at their next transfer and close the lost attempt's group (`member`); so does a rollout
-engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's ranks, which
-close their group with the lost engine.
+engine's workers join it at their next transfer and close the lost attempt's group (`member`); so does
+a rollout engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's
+ranks, which close their group with the lost engine.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ process), and the engine's collectives use the trainer's process group. The phas
 engine generates while every trainer rank waits in `rl.batch(k)` (so no trainer collective runs),
 then `sleep()`s (its KV cache freed; its weights copied to host memory at level 1, discarded at level 2)
 while the trainer trains, takes the update (over "tpu_dist" the shards its trainer rank handed over in
-this process, adopted at `wake_up()` without a copy) and `wake_up()`s for the next batch. A vLLM engine colocated
-the same way: `tpuray.rl.vllm_colocated` (its ranks are these workers too, through a HostedGroup).
+this process, adopted at `wake_up()` without a copy) and `wake_up()`s for the next batch. A vLLM engine
+colocated the same way: `tpuray.rl.vllm_colocated` (its ranks are these workers too, through a
+HostedGroup).
 """
 
 from __future__ import annotations

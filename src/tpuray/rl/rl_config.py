@@ -42,9 +42,9 @@ class RLConfig:
     docs/rl.md): a torch.distributed process group. Disaggregated, it spans the trainer's and the
     engine's workers (TCPStore rendezvous on the driver) and moves host buffers, so it is a gloo group
     on every host (TorchTPU's "tpu_dist" takes only tensors on the chip; the emulated one is gloo
-    underneath: `tpuray.rl.collective`); only the pieces' metadata
-    passes the driver, the trainer ranks send every rollout rank the rows of its part they hold, point to
-    point at once, and each rollout rank checks what it received before staging it
+    underneath: `tpuray.rl.collective`); only the pieces' metadata passes the driver, the trainer ranks
+    send every rollout rank the rows of its part they hold, point to point at once, and each rollout
+    rank checks what it received before staging it
     (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
     only its part, cut in vLLM's layout. Colocated, it is the trainer's own group: the ranks gather each
     tensor where it lives (on the chips) and each leaves its engine rank's part in its own process

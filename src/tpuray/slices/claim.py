@@ -1,8 +1,9 @@
 """SliceClaim: whole slices of several shapes chosen in ONE Ray placement group, all or none.
 
 A SlicePlacementGroup chooses its slices by their heads (the `TPU-<pod>-head` resource of worker 0):
-one placement group per reservation (all its heads, one shape). A job that needs slices for two parts (an RL run: a trainer slice and a
-rollout slice) that reserved them one after the other could hold one and wait for the other while
+one placement group per reservation (all its heads, one shape). A job that needs slices for two parts
+(an RL run: a trainer slice and a rollout slice) that reserved them one after the other could hold one
+and wait for the other while
 another job does the same. A claim asks for every head the job needs as the bundles of one placement
 group, which Ray places whole or not at all, so two claims never split the free slices between them.
 

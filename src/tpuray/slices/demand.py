@@ -35,7 +35,6 @@ from tpuray.validation import check_choice
 logger = logging.getLogger(__name__)
 
 SliceDemand = Literal["head", "whole"]
-DEMAND_ENV = SLICE_DEMAND_ENV
 DEMAND_CHOICES = ("auto", "head", "whole")
 # what a companion bundle holds on each other host of a slice: one byte of Ray's memory resource
 COMPANION: dict[str, float] = {"memory": 1.0}
@@ -44,8 +43,8 @@ COMPANION: dict[str, float] = {"memory": 1.0}
 def slice_demand() -> SliceDemand:
     """`TPURAY_SLICE_DEMAND`, with `auto` resolved: `whole` where Ray's v2 autoscaler runs (its GCS flag),
     else `head`. A value outside auto/head/whole is a ConfigError naming it (requires ray.init())."""
-    value = os.environ.get(DEMAND_ENV, "auto")
-    check_choice(DEMAND_ENV, value, DEMAND_CHOICES)
+    value = os.environ.get(SLICE_DEMAND_ENV, "auto")
+    check_choice(SLICE_DEMAND_ENV, value, DEMAND_CHOICES)
     if value != "auto":
         return cast(SliceDemand, value)
     from ray.autoscaler.v2.utils import is_autoscaler_v2
@@ -53,7 +52,7 @@ def slice_demand() -> SliceDemand:
     try:
         return "whole" if is_autoscaler_v2() else "head"
     except Exception as e:  # e.g. no GCS client in this process: the demand every autoscaler had before
-        logger.warning("cannot tell which Ray autoscaler runs (%s): %s=head", e, DEMAND_ENV)
+        logger.warning("cannot tell which Ray autoscaler runs (%s): %s=head", e, SLICE_DEMAND_ENV)
         return "head"
 
 
