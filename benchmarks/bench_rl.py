@@ -36,8 +36,12 @@ slice's processes on half the cores, as a real slice computes on its own chips);
 ratio for each, and the overlapped iteration on cores of their own against the sequential one on shared
 cores (the wall time this machine gains, or loses).
 
+The example's reward (`--only reward`, not part of `all`): `examples/rl_grpo.py` with its defaults (60
+iterations, the engine in this process), its mean reward per iteration against the goal (>= 2x the
+first iteration's, or >= 0.8).
+
     .venv/bin/python benchmarks/bench_rl.py [--hidden 512] [--layers 4] [--rounds 5] [--iterations 10]
-                                            [--only all|sync|transports|colocated|overlap]
+                                            [--only all|sync|transports|colocated|overlap|reward]
                                             [--weight-sync object_store tpu_dist] [--engine embedded vllm]
 """
 
@@ -292,6 +296,22 @@ def bench_iterations(iterations: int, *extra: str) -> list:
     return grpo.run(grpo.parse_args(["--iterations", str(iterations), *extra]))
 
 
+def print_reward(history: list) -> None:
+    """The example's reward over its run against issue 23's goal: >= 2x the first iteration's mean, or
+    >= 0.8, within the iterations it runs."""
+    means = [it.mean_reward for it in history]
+    goal = min(2 * means[0], 0.8)
+    reached = next((i for i, m in enumerate(means) if m >= goal), None)
+    print(f"\nGRPO example's mean reward over {len(means)} iterations (examples/rl_grpo.py, its defaults)")
+    print(
+        f"first iteration {means[0]:.3f}, last {means[-1]:.3f}, last 12 {statistics.fmean(means[-12:]):.3f}"
+    )
+    verdict = f"met at iteration {reached}" if reached is not None else "not met"
+    print(
+        f"goal >= {goal:.3f} (2x the first, or 0.8): {verdict}; {sum(m >= goal for m in means)} of {len(means)} at or above it"
+    )
+
+
 def bench_overlap(iterations: int) -> dict[str, tuple[list, list]]:
     """Sequential and overlapped RLRun histories on two emulated v6e 2x2 slices, by `cores` setting: the
     slices sharing every core, then each on cores of its own."""
@@ -391,11 +411,11 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=10, help="GRPO iterations per iteration-split run")
     ap.add_argument(
         "--only",
-        choices=("all", "sync", "transports", "colocated", "overlap"),
+        choices=("all", "sync", "transports", "colocated", "overlap", "reward"),
         default="all",
         help="sync: the weight-sync tables only (no GRPO runs); transports: the RLRun transports table only; "
         "colocated: the colocated RLRun per engine only; overlap: sequential vs overlapped RLRun on shared "
-        "cores, then with each slice on cores of its own",
+        "cores, then with each slice on cores of its own; reward: the GRPO example's reward goal",
     )
     ap.add_argument(
         "--weight-sync",
@@ -421,6 +441,11 @@ def main() -> int:
     ray.cloudpickle.register_pickle_by_value(_rl_anchors)  # its actors go to the workers by value
     if args.only == "overlap":
         print_overlap(bench_overlap(args.iterations))
+        return 0
+    if args.only == "reward":  # the example in this process, as `python examples/rl_grpo.py` runs it
+        from tpuray.rl import grpo
+
+        print_reward(grpo.run(grpo.parse_args([])))
         return 0
 
     cluster = EmulatedCluster([SliceRequest("TPU-V6E", "2x2", count=2)], head_cpus=2).start()
