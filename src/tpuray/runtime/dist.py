@@ -7,6 +7,11 @@ tensors), which is what DDP's reducer and communication hooks read.
 
 ReduceOp.AVG: gloo has no AVG, so AVG is a SUM followed by an in-place division by the group size
 (floating-point tensors only, like NCCL). Everything else maps one to one onto gloo.
+
+Registered as TorchTPU 0.2.0 registers its own (`torch_tpu/_loader.py`): the backends "tpu" and
+"tpu_dist" for the tpu device alone, and "tpu" as that device's default backend. So torch's object
+collectives (all_gather_object, broadcast_object_list, ...) and barrier pick the tpu device, as on a
+real slice, and a host tensor fails with the words it fails with there.
 """
 
 from __future__ import annotations
@@ -20,18 +25,24 @@ from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_futur
 from tpuray.runtime.device import UNWRAPPED_COLLECTIVE, local_tensor
 
 BACKEND_NAME = "tpu_dist"
+BACKEND_NAMES = ("tpu", BACKEND_NAME)  # TorchTPU registers both, with the same creator
+DEVICES = ["tpu"]  # what TorchTPU registers them for (not the host: it refuses host tensors)
+
+# TorchTPU's default group has no backend for the host, so torch's dispatch refuses a host tensor with
+# these words (seen on a TPU v5e: tests/real_tpu/test_dist_table.py); the emulation says the same.
+HOST_TENSOR_ERROR = "No backend type associated with device type cpu"
 
 _ReduceOp = dist.ReduceOp
 
 
 def _one(t: torch.Tensor) -> torch.Tensor:
-    """The CPU tensor holding tpu tensor `t`'s data. A host tensor the caller passed itself is refused,
-    as TorchTPU's tpu_dist refuses it (found on a TPU v5e: tests/real_tpu/test_runtime.py), so that code
-    which runs here does not fail on a real slice; this module's own dispatch hands the group the CPU
-    tensors of tpu tensors it unwrapped (`UNWRAPPED_COLLECTIVE`), which are taken."""
+    """The CPU tensor holding tpu tensor `t`'s data. A host tensor the caller passed itself is refused
+    with TorchTPU's words (HOST_TENSOR_ERROR), so that code which runs here does not fail on a real slice;
+    this module's own dispatch hands the group the CPU tensors of tpu tensors it unwrapped
+    (`UNWRAPPED_COLLECTIVE`), which are taken."""
     if t.device.type != "tpu" and not UNWRAPPED_COLLECTIVE.get():
         raise RuntimeError(
-            f"expected tensor to be on tpu, got {t.device.type} (tpu_dist takes only tensors on the tpu "
+            f"{HOST_TENSOR_ERROR.replace('cpu', t.device.type)} (tpu_dist takes only tensors on the tpu "
             "device, as TorchTPU's does; host tensors need a gloo group: dist.new_group(backend='gloo'))"
         )
     return local_tensor(t)
@@ -58,6 +69,12 @@ class TpuDistProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group serves, which torch's object collectives and barrier read: the tpu
+        device alone, as TorchTPU's groups (a Python group has no registered backends to list)."""
+        return [torch.device(d) for d in DEVICES]
 
     # The C++ defaults read these from a registered C++ backend, which a Python group has none of.
     def setGroupName(self, name: str) -> None:
@@ -267,5 +284,8 @@ def _create(store, rank, size, timeout):
 
 
 def register_backend() -> None:
-    """Register the emulated ``tpu_dist`` (replacing the "not available" stub if that is registered)."""
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["tpu", "cpu"])
+    """Register the emulated "tpu" and "tpu_dist" backends for the tpu device, and "tpu" as its default
+    backend, as TorchTPU does (replacing the "not available" stub if that is registered)."""
+    for name in BACKEND_NAMES:
+        dist.Backend.register_backend(name, _create, devices=DEVICES)
+    dist.Backend.default_device_backend_map["tpu"] = "tpu"

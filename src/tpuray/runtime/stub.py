@@ -36,6 +36,7 @@ def _not_available(store, rank, size, timeout):
 
 
 def register_stub() -> None:
-    """Register a ``tpu_dist`` that fails with an explanation (only when nothing else provides one)."""
+    """Register a ``tpu_dist`` that fails with an explanation (only when nothing else provides one), for
+    the tpu device as TorchTPU registers its own."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _not_available, devices=["tpu", "cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _not_available, devices=["tpu"])
