@@ -36,19 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tpuray.cli.flags import command_parser, name_flags
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 0
+    command = command_parser(parser, args.command)
+    if unknown:  # under the subcommand's usage, which lists what it takes
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except (
         UsageError,
         ConfigError,
         MissingDependency,
-    ) as e:  # bad input: one line; anything else keeps its traceback
-        print(f"tpuray {args.command}: error: {e}", file=sys.stderr)
+    ) as e:  # bad input: one line naming the flag; anything else keeps its traceback
+        print(f"tpuray {args.command}: error: {name_flags(str(e), command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

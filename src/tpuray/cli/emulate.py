@@ -6,6 +6,7 @@ import argparse
 import time
 
 from tpuray.cli import UsageError
+from tpuray.cli.flags import add_num_slices, add_slice_shape, add_state_dir
 from tpuray.emulator.spec import SLICE_CORES
 from tpuray.validation import check_positive_int
 
@@ -24,13 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("up", "down", "status", "preempt"),
         help="up: start; down: stop; status: show; preempt: emulated spot preemption of a slice or host",
     )
-    p.add_argument(
-        "--accelerator-type", default="TPU-V6E", help="e.g. TPU-V6E, v5e, TPU-V4 (default TPU-V6E)"
-    )
-    p.add_argument("--topology", default="2x2", help="slice topology, e.g. 2x2, 4x4, 2x2x1 (default 2x2)")
-    p.add_argument(
-        "--num-slices",
-        type=int,
+    add_slice_shape(p, accelerator_type="TPU-V6E", topology="2x2")
+    add_num_slices(
+        p,
         default=None,
         help="number of slices started now (default 1; with --autoscale: 0, slices come on demand)",
     )
@@ -44,9 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "started now on cores of its own, as a real slice on its own chips: at most one slice per core; "
         "not with --autoscale)",
     )
-    p.add_argument(
-        "--state-dir", default=None, help="where the running cluster is recorded (~/.tpuray/emulator)"
-    )
+    add_state_dir(p)
     a = p.add_argument_group(
         "autoscale (up)",
         "slices on demand: Ray's own autoscaler starts a whole emulated slice (every host, or none) for each "

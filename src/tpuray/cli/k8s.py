@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpuray.cli import UsageError
+from tpuray.cli.flags import add_num_slices, add_slice_shape
 
 if TYPE_CHECKING:
     from tpuray.k8s.autoscale import AutoscaleConfig
@@ -43,13 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--accelerator-type", "-a", required=True, help="e.g. TPU-V6E, v5e, v5p, v4, tpu7x")
-    p.add_argument("--topology", "-t", required=True, help="e.g. 4x4 (v5e/v6e) or 2x2x2 (v4/v5p/v7x)")
-    p.add_argument(
-        "--num-slices",
-        type=int,
+    add_slice_shape(p)
+    add_num_slices(
+        p,
         default=None,
-        help="identical slices = worker replicas (default 1; with --autoscale the initial count, default --min-slices)",
+        help="identical slices = worker replicas (default 1; with --autoscale the initial count, default "
+        "--min-slices)",
     )
     p.add_argument(
         "--kind", default="raycluster", help="raycluster (default), rayjob or rayservice (case-insensitive)"

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from tpuray.cli.flags import add_num_slices, add_slice_shape
 from tpuray.validation import ConfigError, check_positive_int
 
 EPILOG = """\
@@ -33,11 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--accelerator-type", "-a", required=True, metavar="TYPE", help="e.g. TPU-V6E, v5p, tpu7x")
-    p.add_argument(
-        "--topology", "-t", required=True, metavar="AxB[xC]", help="e.g. 4x4 (v5e/v6e), 2x2x2 (3D)"
-    )
-    p.add_argument("--num-slices", type=int, default=1, metavar="N", help="identical slices (default 1)")
+    add_slice_shape(p)
+    add_num_slices(p, default=1, help="identical slices (default 1)")
     p.add_argument(
         "--chips-per-process",
         type=int,

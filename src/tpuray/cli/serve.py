@@ -3,6 +3,16 @@
 The YAML holds `llm_configs` (a list of LLMConfig dicts, as in Ray Serve LLM) and optionally `api_key`
 and `ingress_deployment_config`; a Ray Serve config file (`applications: [{args: {llm_configs: ...}}]`)
 works too. The file is validated before Ray is touched.
+
+It runs in the foreground until Ctrl-C (or SIGTERM), then shuts the app down. The cluster is --address,
+else RAY_ADDRESS, else the running `tpuray emulate` cluster; a config without TPU slices may also start a
+local Ray of its own. To keep it running detached:
+
+  nohup tpuray serve config.yaml > serve.log 2>&1 &      # stop with: kill %1 (or kill PID)
+
+or deploy it with Ray Serve itself: `serve deploy` a Ray Serve config whose application has
+import_path tpuray.serve.llm:build_openai_app and these llm_configs as its args (on Kubernetes:
+`tpuray k8s --kind rayservice --serve-config config.yaml`).
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpuray.cli.flags import add_address, add_state_dir, cluster_address
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,11 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML file with llm_configs (see docs/serve.md)")
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray address (default: RAY_ADDRESS, a running cluster or a new local one)",
-    )
+    add_address(p)
+    add_state_dir(p)
     p.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--check", action="store_true", help="validate the config, print the plan and exit")
@@ -75,6 +84,22 @@ def describe(args) -> str:
     return "\n".join(lines)
 
 
+def _address(ns: argparse.Namespace, args) -> str | None:
+    """The cluster to serve on; None (a new local Ray) only for a config that needs no TPU slice."""
+    from tpuray.cli import UsageError
+
+    address = cluster_address(ns.address, ns.state_dir)
+    sliced = [c for c in args.llm_configs if c.topology is not None]
+    if address is None and sliced:
+        c = sliced[0]
+        raise UsageError(
+            f"model {c.model_id!r} needs a {c.topology.accelerator_type} {c.topology.topology} TPU slice and no Ray "
+            "cluster is running here: pass --address, set RAY_ADDRESS or start one with `tpuray emulate up "
+            f"-a {c.topology.accelerator_type} -t {c.topology.topology}`"
+        )
+    return address
+
+
 def run(ns: argparse.Namespace) -> int:
     args = load_serving_args(ns.config)
     for c in args.llm_configs:
@@ -88,7 +113,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from tpuray.serve.llm import build_openai_app
 
-    ray.init(address=ns.address)
+    ray.init(address=_address(ns, args))
 
     def _stop(signum, frame):  # SIGTERM (kill, Kubernetes) shuts down like Ctrl-C
         raise KeyboardInterrupt

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+
+from tpuray.cli.flags import add_address, add_state_dir, cluster_address
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,21 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "stopping."
         ),
     )
-    p.add_argument("--address", default=None, help="Ray address (host:port)")
-    p.add_argument("--state-dir", default=None, help="state dir of `tpuray emulate` (~/.tpuray/emulator)")
+    add_address(p)
+    add_state_dir(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tpuray.emulator import detached
-
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        state = detached.read_state(args.state_dir)
-        if state is None:
-            print("no Ray cluster to inspect: pass --address, set RAY_ADDRESS or run `tpuray emulate up`")
-            return 1
-        address = state["address"]
+    address = cluster_address(args.address, args.state_dir)
+    if address is None:
+        print("no Ray cluster to inspect: pass --address, set RAY_ADDRESS or run `tpuray emulate up`")
+        return 1
 
     import ray
 
