@@ -86,6 +86,12 @@ def test_emulate_up_status_down(tmp_path) -> None:
 
         info = read_state(tmp_path)
         assert info and info["emulated"] and info["ray_pids"]
+        # Ray's own tools work against it (its dashboard is on by default; --no-dashboard turns it off)
+        assert f"Ray dashboard: {info['dashboard']}" in up.stdout and info["dashboard"].startswith("http://")
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        actors = subprocess.run([ray_cli, "list", "actors"], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "RAY_ADDRESS": info["address"]})  # fmt: skip
+        assert actors.returncode == 0, actors.stdout + actors.stderr
         again = _tpuray("emulate", "up", *state)
         assert again.returncode == 1 and "already running" in again.stdout
         status = _tpuray("emulate", "status", *state)

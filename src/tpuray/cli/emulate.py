@@ -41,6 +41,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "started now on cores of its own, as a real slice on its own chips: at most one slice per core; "
         "not with --autoscale)",
     )
+    p.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="start the head without Ray's dashboard (saves a process; Ray's own tools `ray list actors` "
+        "and `serve status` need it)",
+    )
     add_state_dir(p)
     a = p.add_argument_group(
         "autoscale (up)",
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 path=args.state_dir,
                 autoscale=autoscale,
                 cores=args.cores,
+                dashboard=args.dashboard,
             )
         except RuntimeError as e:
             print(f"tpuray emulate up: {e}")
@@ -165,6 +173,10 @@ def _autoscale_args(args: argparse.Namespace) -> dict | None:
 
 def _print_state(state: dict) -> None:
     print(f"  address: {state['address']}")
+    if state.get("dashboard"):
+        print(
+            f"  Ray dashboard: {state['dashboard']} (with RAY_ADDRESS set: ray status, ray list actors, serve status)"
+        )
     if state.get("autoscale"):
         print(f"  autoscale: {state['autoscale']} (see `tpuray status` for slices on demand)")
     for s in state["slices"]:

@@ -50,7 +50,9 @@ class EmulatedCluster:
 
     `cores`: where the hosts' processes compute (`tpuray.emulator.spec.SliceCores`): "shared" (every core)
     or "per_slice" (each slice on cores of its own, as a real slice on its own chips; Linux only, slices
-    started by hand only, at most one slice per core).
+    started by hand only, at most one slice per core). `include_dashboard`: Ray's dashboard on the head
+    (`dashboard_url`), which Ray's own tools need (`ray list actors`, `serve status`); off by default here
+    (tests), on by default for `tpuray emulate up`.
     """
 
     def __init__(
@@ -379,6 +381,14 @@ class EmulatedCluster:
         if self.autoscale is None or self._cluster is None:
             return {}
         return published_slices(self.address)
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """Ray's dashboard (http://host:port) when the head runs one, else None."""
+        if self._cluster is None or not self.include_dashboard:
+            return None
+        url = self._cluster.head_node.address_info.get("webui_url")
+        return f"http://{url}" if url else None
 
     @property
     def num_hosts(self) -> int:

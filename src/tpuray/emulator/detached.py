@@ -72,12 +72,14 @@ def up(
     timeout_s: float = 300.0,
     autoscale: dict[str, Any] | None = None,
     cores: SliceCores = "shared",
+    dashboard: bool = True,
 ) -> dict[str, Any]:
     """Start a detached emulated cluster and return its state once it is ready. `autoscale`:
     {"max_slices": ["TYPE:TOPOLOGY=N", ...], "idle_timeout_s": s} for slices on demand (then
-    `num_slices` may be 0); `cores`: EmulatedCluster's."""
+    `num_slices` may be 0); `cores`: EmulatedCluster's; `dashboard`: Ray's dashboard on the head, which
+    Ray's own tools (`ray list actors`, `serve status`) need."""
     # Validate before starting anything: the cluster the detached process will start, planned only.
-    _planned(accelerator_type, topology, num_slices, head_cpus, cpus_per_chip, autoscale, cores)
+    _planned(accelerator_type, topology, num_slices, head_cpus, cpus_per_chip, autoscale, cores, dashboard)
     directory = state_dir(path)
     running = read_state(directory)
     if running:
@@ -90,6 +92,7 @@ def up(
     cmd = [sys.executable, "-m", "tpuray.emulator.detached", "--state-dir", str(directory)]
     cmd += ["--accelerator-type", accelerator_type, "--topology", topology, "--num-slices", str(num_slices)]
     cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip), "--cores", cores]
+    cmd += ["--dashboard"] if dashboard else []
     if autoscale is not None:
         cmd += ["--idle-timeout-s", str(autoscale["idle_timeout_s"])]
         cmd += [f"--max-slices={item}" for item in autoscale["max_slices"]]
@@ -120,6 +123,7 @@ def _planned(
     cpus_per_chip: int,
     autoscale: dict[str, Any] | None,
     cores: SliceCores,
+    dashboard: bool,
 ) -> Any:
     """The EmulatedCluster `up` starts, planned (ConfigError naming a bad value), not started."""
     from tpuray.emulator.autoscale import parse_max_slices
@@ -140,6 +144,7 @@ def _planned(
         head_cpus=head_cpus,
         cpus_per_chip=cpus_per_chip,
         cores=cores,
+        include_dashboard=dashboard,
         **extra,
     )
 
@@ -227,6 +232,7 @@ def _state(cluster: Any) -> dict[str, Any]:
         "pid": os.getpid(),
         "emulated": True,
         "address": cluster.address,
+        "dashboard": cluster.dashboard_url,
         "description": cluster.describe(),
         "autoscale": cluster.autoscale.describe() if cluster.autoscale is not None else None,
         "ray_pids": cluster.pids(),
@@ -269,6 +275,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.cpus_per_chip,
         autoscale,
         args.cores,
+        args.dashboard,
     )
     with cluster:
         # After start: Ray's node start installs its own SIGTERM handler; ours shuts down cleanly.
@@ -300,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-cpus", type=int, default=4)
     p.add_argument("--cpus-per-chip", type=int, default=2)
     p.add_argument("--cores", default="shared")
+    p.add_argument("--dashboard", action="store_true")
     p.add_argument("--max-slices", action="append", default=None)
     p.add_argument("--idle-timeout-s", type=float, default=60.0)
     return _serve(p.parse_args(argv))
