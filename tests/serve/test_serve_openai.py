@@ -495,3 +495,23 @@ def test_metrics_parse_and_counters_move(server, client):
     ok = _total(after, "http_requests_total", handler="/v1/completions", status="200")
     assert ok > _total(before, "http_requests_total", handler="/v1/completions", status="200")
     assert ("vllm:kv_cache_usage_perc" in after) and ("vllm:num_requests_running" in after)
+
+
+def test_vllm_bench_serve_measures_the_endpoint(single, tiny_model_dir):
+    """vLLM's own benchmark client runs from the project's environment against a tpuray endpoint (the
+    way docs/serve.md gives to benchmark one): every request answered."""
+    import importlib.metadata
+    import os
+    import subprocess
+    import sys
+
+    assert importlib.metadata.version("vllm") == "0.29.0+cpu"  # what `vllm --version` prints
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    bench = subprocess.run(
+        [vllm, "bench", "serve", "--backend", "openai", "--base-url", single, "--model", "tiny",
+         "--tokenizer", tiny_model_dir, "--dataset-name", "random", "--random-input-len", "16",
+         "--random-output-len", "8", "--num-prompts", "8", "--seed", "0"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    assert "Successful requests:                     8" in bench.stdout, bench.stdout[-3000:]
