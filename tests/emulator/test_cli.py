@@ -65,12 +65,21 @@ def test_bad_cores_are_usage_errors(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing started
 
 
-def test_status_lists_emulated_slices(emulated_cluster) -> None:
-    out = _tpuray("status", "--address", emulated_cluster.address)
+def test_status_lists_emulated_slices_and_who_holds_them(emulated_cluster, pg_leak_check) -> None:
+    from tpuray.slices import SlicePlacementGroup, holder_name
+
+    name = holder_name("train", "status-check")
+    held = SlicePlacementGroup("2x2", "v6e", name=name)
+    try:
+        out = _tpuray("status", "--address", emulated_cluster.address)
+    finally:
+        held.shutdown()
     assert out.returncode == 0, out.stderr
     for s in emulated_cluster.slices:
         assert s.name in out.stdout
-    assert "EMULATED" in out.stdout and "v6e" in out.stdout.lower()
+    assert "EMULATED" in out.stdout and "v6e" in out.stdout.lower() and "HELD BY" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith(held.slice_names[0]))
+    assert row.endswith(name) and name.startswith("train:status-check#") and " busy " in row
 
 
 def test_emulate_up_status_down(tmp_path) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 
 import httpx
 import openai
@@ -515,3 +516,23 @@ def test_vllm_bench_serve_measures_the_endpoint(single, tiny_model_dir):
     )  # fmt: skip
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     assert "Successful requests:                     8" in bench.stdout, bench.stdout[-3000:]
+
+
+def test_tpuray_status_names_the_holders_and_the_apps(single, server):
+    """`tpuray status` names each busy slice's holder (the model it serves) and the Serve apps with their
+    OpenAI endpoints."""
+    import subprocess
+    import sys
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    out = subprocess.run(
+        [sys.executable, "-m", "tpuray.cli", "status", "--address", address],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if re.search(r" serve:tiny#[0-9a-f]{4}$", line)]
+    assert len(rows) == 2 and all(" busy " in r for r in rows), out.stdout  # one slice per app
+    assert f"tpuray-llm: RUNNING, {server}/v1 (OpenAI)" in out.stdout
+    assert f"tpuray-single: RUNNING, {single}/v1 (OpenAI)" in out.stdout

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(f" ({emulated} EMULATED)" if emulated else "")
         print(format_slices(slices))
         _print_autoscaling(slices)
+        _print_serve_apps()
     finally:
         ray.shutdown()
     return 0
@@ -72,3 +73,25 @@ def _print_autoscaling(slices: list) -> None:
         elif state == "starting":
             state = f"starting ({info['hosts_up']}/{info['hosts']} hosts up)"
         print(f"  {name}: {info['node_type']}, {state}")
+
+
+def _print_serve_apps() -> None:
+    """Ray Serve's applications on the cluster, each with its state and HTTP endpoint."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return
+    details = client.get_serve_details()
+    http = details.get("http_options") or {}
+    base = f"http://{http.get('host', '0.0.0.0')}:{http.get('port', 8000)}"
+    apps = details.get("applications") or {}
+    print(f"Ray Serve: {len(apps)} app(s)" + ("" if apps else " (Serve is running)"))
+    for name, app in sorted(apps.items()):
+        route = app.get("route_prefix")
+        llm = any(d.startswith(("LLMServer", "LLMRouter")) for d in app.get("deployments") or {})
+        where = (
+            "no HTTP route" if route is None else base + route.rstrip("/") + ("/v1 (OpenAI)" if llm else "")
+        )
+        status = app.get("status")
+        print(f"  {name}: {getattr(status, 'value', status)}, {where}")

@@ -5,7 +5,13 @@ from tpuray.slices.claim import SliceClaim
 from tpuray.slices.distributed import RankInfo
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, draining_nodes
 from tpuray.slices.group_start import LostWhileStarting, start_group
-from tpuray.slices.inventory import SliceInfo, format_slices, list_slices, pending_slice_demand
+from tpuray.slices.inventory import (
+    SliceInfo,
+    format_slices,
+    holder_name,
+    list_slices,
+    pending_slice_demand,
+)
 from tpuray.slices.placement import SlicePlacementGroup, SliceReservationTimeout, slice_placement_group
 from tpuray.slices.worker import SliceWorker, WorkerPlacement
 from tpuray.slices.worker_group import PlacementError, SliceWorkerGroup, WorkerGroupSpec, assign_ranks
@@ -27,6 +33,7 @@ __all__ = [
     "WorkerPlacement",
     "assign_ranks",
     "format_slices",
+    "holder_name",
     "list_slices",
     "pending_slice_demand",
     "slice_placement_group",

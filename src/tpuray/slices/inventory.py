@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from tpuray.constants import (
     ACCELERATOR_LABEL,
@@ -33,6 +34,7 @@ class SliceInfo:
     head_free: bool = False
     draining: bool = False  # a host has a preemption notice (Ray drain): nothing new is placed there
     cores: str = ""  # emulated with cores of its own (cores="per_slice"): which, e.g. "0,1"; else ""
+    holders: list[str] = field(default_factory=list)  # names of the reservations on it (holder_name)
 
     @property
     def hosts(self) -> int:
@@ -98,7 +100,40 @@ def list_slices() -> list[SliceInfo]:
             info.head_free = node_avail.get(head, 0) >= 1
     for name, info in slices.items():
         info.node_ids = [node_id for _, node_id in sorted(workers[name])]
+    holders = slice_holders(ray.util.placement_group_table(), slices.values())
+    for name, info in slices.items():
+        info.holders = holders.get(name, [])
     return [slices[k] for k in sorted(slices)]
+
+
+HolderKind = Literal["train", "serve", "rl"]
+HEADS_SUFFIX = "-heads"  # SlicePlacementGroup's placement group of slice heads: "<name>-heads"
+
+
+def holder_name(kind: HolderKind, what: str) -> str:
+    """The name tpuray gives a reservation (its placement group's), which `tpuray status` shows as the
+    slice's holder: "train:<run>#<id>", "serve:<model id>#<id>", "rl:<part>#<id>". Ray wants placement
+    group names unique (two replicas of one model each hold a slice): <id> is 4 random hex digits."""
+    import uuid
+
+    return f"{kind}:{what}#{uuid.uuid4().hex[:4]}" if what else f"{kind}#{uuid.uuid4().hex[:4]}"
+
+
+def slice_holders(pg_table: dict[str, dict[str, Any]], slices: Any) -> dict[str, list[str]]:
+    """{slice name: the names of the live placement groups with a bundle on one of its hosts}, from
+    `ray.util.placement_group_table()`; an unnamed group shows as "placement group <id>"."""
+    slice_of = {node: s.name for s in slices for node in s.node_ids}
+    holders: dict[str, list[str]] = {}
+    for pg_id, pg in pg_table.items():
+        if pg.get("state") not in ("CREATED", "RESCHEDULING"):
+            continue
+        name = pg.get("name") or f"placement group {pg_id[:8]}"
+        name = name.removesuffix(HEADS_SUFFIX)  # a reservation's heads: the same holder
+        for node in set((pg.get("bundles_to_node_id") or {}).values()):
+            held = holders.setdefault(slice_of[node], []) if node in slice_of else None
+            if held is not None and name not in held:
+                held.append(name)
+    return holders
 
 
 def _kind(s: SliceInfo) -> str:
@@ -111,7 +146,7 @@ def format_slices(slices: list[SliceInfo]) -> str:
     """A small text table (used by `tpuray status`)."""
     if not slices:
         return "no TPU slices in this Ray cluster"
-    header = ("SLICE", "TYPE", "TOPOLOGY", "HOSTS", "CHIPS FREE", "STATE", "KIND")
+    header = ("SLICE", "TYPE", "TOPOLOGY", "HOSTS", "CHIPS FREE", "STATE", "KIND", "HELD BY")
     rows = [header]
     for s in slices:
         hosts = f"{s.hosts}/{s.expected_hosts}" if s.expected_hosts else str(s.hosts)
@@ -129,6 +164,7 @@ def format_slices(slices: list[SliceInfo]) -> str:
                 f"{s.free_chips}/{s.chips}",
                 state,
                 _kind(s),
+                ", ".join(s.holders) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

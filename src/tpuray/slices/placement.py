@@ -31,7 +31,7 @@ from tpuray.constants import (
     WORKER_ID_LABEL,
 )
 from tpuray.slices.demand import free_slices, head_request, slice_demand
-from tpuray.slices.inventory import format_slices, list_slices
+from tpuray.slices.inventory import HEADS_SUFFIX, format_slices, list_slices
 from tpuray.topology import SliceTopology, get_generation
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_number
 
@@ -233,7 +233,7 @@ class SlicePlacementGroup:
             request.bundles,
             strategy=request.strategy,
             bundle_label_selector=request.selectors,
-            name=f"{self._name}-heads" if self._name else "",
+            name=f"{self._name}{HEADS_SUFFIX}" if self._name else "",
             lifetime=self._lifetime,
         )
         self._head_pgs.append(heads)

@@ -59,6 +59,9 @@ class WorkerGroupSpec:
     reserve_timeout_s: float | None = 300.0  # also bounds the wait for the actors to start
     runtime_env: dict[str, Any] | None = None
     max_concurrency: int = 1
+    name: str = ""
+    """The reservation's name, its placement group's: who holds the slice (`tpuray status`), e.g.
+    `holder_name("train", run)`."""
 
     def __post_init__(self) -> None:
         check_positive_int("num_workers", self.num_workers)
@@ -280,12 +283,13 @@ class SliceWorkerGroup:
                     **spec.resources,
                 },
                 timeout_s=spec.reserve_timeout_s,
+                name=spec.name,
             )
             return [self._spg.scheduling_strategy(b) for b in range(self._spg.num_bundles)]
         bundle = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
         bundle = {k: float(v) for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
         self._pg = placement_group(
-            [dict(bundle) for _ in range(spec.num_workers)], strategy=spec.placement_strategy
+            [dict(bundle) for _ in range(spec.num_workers)], strategy=spec.placement_strategy, name=spec.name
         )
         try:
             ray.get(self._pg.ready(), timeout=spec.reserve_timeout_s)

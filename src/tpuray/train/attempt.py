@@ -114,7 +114,7 @@ class Attempt:
         self.state = state  # read here (report counts, latest checkpoint); written by on_records
         self.progress = progress
         self.on_records = on_records
-        self.group = SliceWorkerGroup(group_spec(plan.scaling), TrainWorker)
+        self.group = SliceWorkerGroup(group_spec(plan.scaling, plan.name), TrainWorker)
         self.watch: DrainWatch | None = None  # the group's hosts, once started
         self.notice: tuple[PreemptionInfo, int] | None = None  # (notice, last report index before it)
         self.shards: AttemptShards | None = None  # this attempt's split of the datasets

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S, RESERVE_TIMEOUT_ENV, UPLOAD_TIMEOUT_ENV
+from tpuray.slices.inventory import holder_name
 from tpuray.slices.worker import SliceWorker
 from tpuray.slices.worker_group import WorkerGroupSpec
 from tpuray.train import session
@@ -54,8 +55,10 @@ def upload_timeout_s() -> float:
     return _seconds_env(UPLOAD_TIMEOUT_ENV, DEFAULT_UPLOAD_TIMEOUT_S)
 
 
-def group_spec(scaling: ScalingConfig) -> WorkerGroupSpec:
-    """The worker group a ScalingConfig describes (TPU workers take no CPU unless asked)."""
+def group_spec(scaling: ScalingConfig, run_name: str = "") -> WorkerGroupSpec:
+    """The worker group a ScalingConfig describes (TPU workers take no CPU unless asked), held in the
+    name of the run `run_name`."""
+    name = holder_name("train", run_name)
     res = scaling.worker_resources()
     num_cpus = res.pop("CPU", 0)
     num_gpus = res.pop("GPU", 0)
@@ -70,6 +73,7 @@ def group_spec(scaling: ScalingConfig) -> WorkerGroupSpec:
             resources=res,
             reserve_timeout_s=reserve_timeout_s(),
             max_concurrency=2,
+            name=name,
         )
     return WorkerGroupSpec(
         num_workers=scaling.num_workers,
@@ -79,6 +83,7 @@ def group_spec(scaling: ScalingConfig) -> WorkerGroupSpec:
         placement_strategy=scaling.placement_strategy,
         reserve_timeout_s=reserve_timeout_s(),
         max_concurrency=2,
+        name=name,
     )
 
 

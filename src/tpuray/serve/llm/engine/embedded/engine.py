@@ -32,6 +32,7 @@ from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, SeqOutput, Sequence
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 from tpuray.slices import start_group
+from tpuray.slices.inventory import holder_name
 from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class EmbeddedEngine(PromptEncoder):
             num_cpus=1,
             reserve_timeout_s=timeout_s,
             runtime_env=cfg.runtime_env,
+            name=holder_name("serve", cfg.model_id),
         )
         # Without a slice: one CPU worker actor (benchmarks: the same Ray step path as the TP engine).
         # The start is abandoned as soon as a host of the reserved slice drains or dies (a preemption).

@@ -79,7 +79,7 @@ class VLLMEngine:
 
     # -- start ----------------------------------------------------------------------------------------
     def _reserve(self, timeout_s: float) -> None:
-        from tpuray.slices import SlicePlacementGroup, list_slices
+        from tpuray.slices import SlicePlacementGroup, holder_name, list_slices
 
         topo = self.config.topology
         assert topo is not None
@@ -94,6 +94,7 @@ class VLLMEngine:
             accelerator_version=topo.generation.name,
             resources_per_bundle={"TPU": 1, "CPU": 1},
             timeout_s=timeout_s,
+            name=holder_name("serve", self.config.model_id),
         )
         self.nodes = self.spg.node_ids()
         emulated = {s.name for s in list_slices() if s.emulated}
