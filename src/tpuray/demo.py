@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpuray.console import LogFile
 from tpuray.constants import DEMO_PORT_ENV
 from tpuray.validation import ConfigError
 
@@ -123,14 +124,16 @@ def _say(cfg: DemoConfig, msg: str) -> None:
         print(f"[tpuray demo] {msg}", flush=True)
 
 
-def run_demo(cfg: DemoConfig) -> str:
-    """Runs the whole demo and returns the served model's answer."""
+def run_demo(cfg: DemoConfig, logs: LogFile | None = None) -> str:
+    """Runs the whole demo and returns the served model's answer. `logs`: where vLLM's and Ray's lines
+    go (`tpuray demo` names the file; None: the console)."""
     import ray
     from ray import serve
 
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
+    from tpuray.serve.shutdown import shutdown_serve
     from tpuray.train import RunConfig, ScalingConfig
     from tpuray.train.torch import TorchTrainer
 
@@ -147,8 +150,13 @@ def run_demo(cfg: DemoConfig) -> str:
         cfg, f"starting an EMULATED {cfg.accelerator_type} {cfg.topology} slice (CPU-backed, not a real TPU)"
     )
     with EmulatedCluster([SliceRequest(cfg.accelerator_type, cfg.topology, count=1)]) as cluster:
-        cluster.connect(log_to_driver=cfg.verbose)
-        if not cfg.verbose:
+        cluster.connect(
+            log_to_driver=cfg.verbose, logging_level=logging.INFO if logs is None else logging.WARNING
+        )
+        if logs is not None:
+            logs.capture()  # again: ray.init set up its own driver logger
+            _say(cfg, f"vLLM's and Ray's log lines: {logs.path} (--verbose shows them here)")
+        elif not cfg.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
             # head_dim 64 (256 / 4 heads): what vLLM's CPU attention kernels take; 4 heads split over 4 chips
@@ -186,11 +194,11 @@ def run_demo(cfg: DemoConfig) -> str:
                 cfg, model_dir, serve, LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
             )
             if cfg.rl:
-                serve.shutdown()  # frees the slice for the rollout engine
+                shutdown_serve()  # frees the slice for the rollout engine
                 _rl_act(cfg)
         finally:
             try:
-                serve.shutdown()
+                shutdown_serve()
             finally:
                 ray.shutdown()
     _say(cfg, f"done in {time.perf_counter() - t0:.0f} s; emulated cluster shut down, nothing left running")

@@ -72,9 +72,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _shutdown_serve() -> None:
     import ray
-    from ray import serve
+
+    from tpuray.serve.shutdown import shutdown_serve
 
     address = _SERVE.pop("address", None)
     _SERVE.clear()
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == address:
-        serve.shutdown()
+        shutdown_serve()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tpuray.cli.flags import add_slice_shape
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -17,10 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
         epilog="example: tpuray demo --epochs 60 --question 'What is tpuray?'   (add --rl for the GRPO act)",
     )
-    p.add_argument(
-        "--accelerator-type", default="TPU-V6E", help="TPU generation to emulate (default TPU-V6E)"
-    )
-    p.add_argument("--topology", default="2x2", help="slice topology (default 2x2 = 4 chips on one host)")
+    add_slice_shape(p, accelerator_type="TPU-V6E", topology="2x2")
     p.add_argument("--epochs", type=int, default=60, help="training epochs (default 60)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--question", default="What is tpuray?", help="the chat message to send")
@@ -39,11 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rl-iterations", type=int, default=15, help="GRPO iterations with --rl (default 15)")
     p.add_argument("--quiet", action="store_true", help="print only the answer")
-    p.add_argument("--verbose", action="store_true", help="also stream Ray worker and Serve logs")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and Ray's log lines here (default: in a log file under ~/.tpuray/logs, named at the "
+        "start)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from tpuray.console import quiet_logs
     from tpuray.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
@@ -59,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
         rl=args.rl,
         rl_iterations=args.rl_iterations,
     )
-    run_demo(cfg)
+    run_demo(cfg, logs=quiet_logs("demo", args.verbose))
     return 0

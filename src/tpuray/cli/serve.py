@@ -18,12 +18,14 @@ import_path tpuray.serve.llm:build_openai_app and these llm_configs as its args 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 from tpuray.cli.flags import add_address, add_state_dir, cluster_address
+from tpuray.console import quiet_logs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--check", action="store_true", help="validate the config, print the plan and exit")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's, Ray's and the replicas' log lines here (default: vLLM's and Ray's driver lines in a "
+        "log file under ~/.tpuray/logs, named at the start; the replicas' in Ray's session logs)",
+    )
     p.set_defaults(func=run)
 
 
@@ -101,6 +109,7 @@ def _address(ns: argparse.Namespace, args) -> str | None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    logs = quiet_logs("serve", ns.verbose)  # before the configs import vLLM
     args = load_serving_args(ns.config)
     for c in args.llm_configs:
         c.check_model_source()
@@ -112,8 +121,13 @@ def run(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from tpuray.serve.llm import build_openai_app
+    from tpuray.serve.shutdown import shutdown_serve
 
-    ray.init(address=_address(ns, args))
+    level = logging.INFO if logs is None else logging.WARNING
+    ray.init(address=_address(ns, args), log_to_driver=ns.verbose, logging_level=level)
+    if logs is not None:
+        logs.capture()  # again: ray.init set up its own driver logger
+        print(f"tpuray serve: vLLM's and Ray's log lines: {logs.path}; the replicas': {_session_logs()}")
 
     def _stop(signum, frame):  # SIGTERM (kill, Kubernetes) shuts down like Ctrl-C
         raise KeyboardInterrupt
@@ -129,6 +143,13 @@ def run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("tpuray serve: shutting down")
     finally:
-        serve.shutdown()
+        shutdown_serve()
         ray.shutdown()
     return 0
+
+
+def _session_logs() -> str:
+    """Ray's log folder of this session (on the head; each node has its own)."""
+    from ray._private.worker import global_worker
+
+    return global_worker.node.get_logs_dir_path() if global_worker.node is not None else "Ray's session logs"
