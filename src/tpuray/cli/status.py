@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_autoscaling(slices: list) -> None:
     """Pending slice demand, and the slices of an autoscaling emulated cluster by state."""
-    from tpuray.emulator.autoscale import published_node_types, published_slices
     from tpuray.slices import pending_slice_demand
+    from tpuray.slices.autoscaler import published_node_types, published_slices
 
     demand = pending_slice_demand()
     wanted = ", ".join(f"{n} x {pod}" for pod, n in sorted(demand.items())) or "none"
@@ -61,13 +61,11 @@ def _print_autoscaling(slices: list) -> None:
     types = published_node_types()
     if types is None:
         return
-    shapes = ", ".join(
-        f"{t['accelerator_type']} {t['topology']} ({name}) <= {t['max_slices']}" for name, t in types.items()
-    )
+    shapes = ", ".join(f"{t.accelerator_type} {t.topology} ({t.name}) <= {t.max_slices}" for t in types)
     print(f"autoscaling (Ray's autoscaler, EMULATED slices): {shapes}")
     idle = {s.name: s.idle for s in slices}
     for name, info in sorted(published_slices().items()):
-        state = info["state"]
+        state: str = info["state"]
         if state == "up":
             state = "idle" if idle.get(name) else "in use"
         elif state == "starting":

@@ -12,8 +12,8 @@ chips and CPUs, what Ray's own single-host requests ask for (they have no head b
 multi-host slice is therefore a pending head bundle; demand for chips of a named multi-host slice (the
 second placement group of a reservation) is never a reason to start a multi-host slice.
 
-The provider publishes, in the GCS KV store, the slices it runs (`SLICES_KEY`) and its node types
-(`NODE_TYPES_KEY`), read by `tpuray status` and by `SlicePlacementGroup` to fail fast.
+The provider publishes its node types and the slices it runs as `tpuray.slices.autoscaler` defines them
+(the contract `tpuray status` and `SlicePlacementGroup` read, to show them and to fail fast).
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ from tpuray.constants import (
     accelerator_resource,
 )
 from tpuray.emulator.spec import SliceRequest
+from tpuray.slices.autoscaler import SliceNodeType
 from tpuray.validation import ConfigError, check_positive_int, is_number
 
-KV_NAMESPACE = "tpuray"
-SLICES_KEY = "emulator/autoscaled-slices"  # {slice name: {...}}, written by the provider
-NODE_TYPES_KEY = "emulator/autoscale-node-types"  # {node type: {...}}, written by the provider
 HEAD_NODE_TYPE = "ray.head.default"
 PROVIDER_MODULE = "tpuray.emulator.slice_provider.EmulatedSliceProvider"
 # Seconds between two rounds of Ray's monitor (Ray reads AUTOSCALER_UPDATE_INTERVAL_S as an integer).
@@ -190,7 +188,7 @@ def autoscaling_head(
         **provider,
         "head_node_id": head_id,
         "host_ip": services.get_node_ip_address(),
-        "slice_types": slice_types(spec),
+        "slice_types": {t.name: t.to_json() for t in slice_types(spec)},
     }
     path = os.path.join(config_dir, "autoscaling.json")
     with open(path, "w") as f:
@@ -200,68 +198,15 @@ def autoscaling_head(
     return env, {"env_vars": {NODE_ID_ENV: head_id}, "autoscaling_config": path}
 
 
-# -- what the running cluster publishes (GCS KV) ----------------------------------------------------
-
-
-def _kv_get(key: str, gcs_address: str | None = None) -> Any:
-    """A published value: through this process's Ray connection, or straight from `gcs_address`."""
-    if gcs_address is not None:
-        import ray._raylet
-
-        raw = ray._raylet.GcsClient(address=gcs_address).internal_kv_get(
-            key.encode(), KV_NAMESPACE.encode(), timeout=10
+def slice_types(spec: AutoscaleSpec) -> list[SliceNodeType]:
+    """The node types the provider publishes (`tpuray.slices.autoscaler.NODE_TYPES_KEY`)."""
+    return [
+        SliceNodeType(
+            name=node_type_name(r),
+            accelerator_type=r.slice_topology.generation.accelerator_type,
+            topology=r.slice_topology.topology,
+            pod_type=r.slice_topology.pod_type,
+            max_slices=r.count,
         )
-    else:
-        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
-
-        if not _internal_kv_initialized():
-            return None
-        raw = _internal_kv_get(key, namespace=KV_NAMESPACE)
-    return json.loads(raw) if raw else None
-
-
-def published_node_types(gcs_address: str | None = None) -> dict[str, dict[str, Any]] | None:
-    """The autoscaling emulated cluster's slice node types ({name: {accelerator_type, topology, ...}}),
-    or None when the cluster is not one."""
-    return _kv_get(NODE_TYPES_KEY, gcs_address)
-
-
-def published_slices(gcs_address: str | None = None) -> dict[str, dict[str, Any]]:
-    """The slices Ray's autoscaler runs now: {name: {node_type, state, node_ids, pids, ...}}."""
-    return _kv_get(SLICES_KEY, gcs_address) or {}
-
-
-def slice_types(spec: AutoscaleSpec) -> dict[str, dict[str, Any]]:
-    """What `published_node_types` reads: {node type: {accelerator_type, topology, pod_type, max_slices}}."""
-    return {
-        node_type_name(r): {
-            "accelerator_type": r.slice_topology.generation.accelerator_type,
-            "topology": r.slice_topology.topology,
-            "pod_type": r.slice_topology.pod_type,
-            "max_slices": r.count,
-        }
         for r in spec.requests
-    }
-
-
-def check_slices_can_come(pod_type: str, shape: str, num_slices: int, running: list[str]) -> None:
-    """On an autoscaling emulated cluster, refuse at once a reservation of `num_slices` slices of
-    `pod_type` that can never be placed: more than the slices of that pod type started by hand (among
-    `running`, the names of those alive now) plus the autoscaler's maximum for it. The ConfigError names
-    the shape and the node types. Elsewhere (no autoscaler here) nothing is checked."""
-    types = published_node_types()
-    if types is None:
-        return
-    autoscaled = published_slices()
-    fixed = sum(1 for name in running if name not in autoscaled)
-    if num_slices <= fixed + sum(t["max_slices"] for t in types.values() if t["pod_type"] == pod_type):
-        return
-    offered = ", ".join(
-        f"{name} ({t['accelerator_type']} {t['topology']}, at most {t['max_slices']})"
-        for name, t in types.items()
-    )
-    raise ConfigError(
-        f"{num_slices} x {shape} (pod type {pod_type}) can never be reserved here: this autoscaling emulated "
-        f"cluster has {fixed} such slice(s) started by hand and its autoscaler's node types are: {offered}. "
-        "Ask for one of those shapes, or start the cluster with --max-slices for this one"
-    )
+    ]

@@ -99,18 +99,15 @@ def run_churn(
     """`cycles` times: reserve a slice of a random shape (tpuray SlicePlacementGroup), then release a random
     held reservation, or first preempt one host of its slice (the slice must go whole and a replacement
     come). The cluster is audited after every event once it has settled."""
-    from tpuray.emulator.autoscale import published_node_types
     from tpuray.emulator.detached import _alive
+    from tpuray.slices.autoscaler import published_node_types
     from tpuray.slices.placement import SlicePlacementGroup
 
     rng = random.Random(seed)
     report = ChurnReport(cycles)
     held: list[tuple[str, tuple[str, str], Any]] = []
     pids: set[int] = set()
-    limit = {
-        (t["accelerator_type"], t["topology"]): t["max_slices"]
-        for t in (published_node_types() or {}).values()
-    }
+    limit = {(t.accelerator_type, t.topology): t.max_slices for t in published_node_types() or []}
     start = time.monotonic()
 
     def event(what: str) -> None:
@@ -127,8 +124,9 @@ def run_churn(
     def release(i: int) -> None:
         name, _, spg = held.pop(i)
         if rng.random() < preempt_probability:
-            host = cluster.autoscaled_slices().get(name, {}).get("node_ids", [None])[-1]
-            if host is not None:
+            published = cluster.autoscaled_slices().get(name)
+            if published is not None:
+                host = published["node_ids"][-1]
                 cluster.preempt_host(host, notice_s=0).wait_killed(timeout_s=120)
                 event(f"preempt {name} host {host[:8]}")
         spg.shutdown()

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from tpuray.constants import ROLE_LABEL
-from tpuray.emulator.autoscale import AutoscaleSpec, autoscaling_head, published_slices
+from tpuray.emulator.autoscale import AutoscaleSpec, autoscaling_head
 from tpuray.emulator.hosts import (
     _GCS_SYSTEM_CONFIG,
     _add_node_with_retry,
@@ -36,6 +36,7 @@ from tpuray.emulator.spec import (
     plan_slices,
     split_cores,
 )
+from tpuray.slices.autoscaler import AutoscaledSlice, published_slices
 from tpuray.validation import ConfigError, check_choice, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -375,7 +376,7 @@ class EmulatedCluster:
             logger.warning("could not read the autoscaled slices: %s", e)
             return []
 
-    def autoscaled_slices(self) -> dict[str, dict[str, Any]]:
+    def autoscaled_slices(self) -> dict[str, AutoscaledSlice]:
         """The slices Ray's autoscaler runs now ({name: {node_type, state, node_ids, ...}}; state is
         starting, up or stopping); {} for a cluster without autoscale."""
         if self.autoscale is None or self._cluster is None:

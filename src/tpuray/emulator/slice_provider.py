@@ -19,7 +19,6 @@ Like Ray's own fake multi-node provider, it gives each host a known Ray node id
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -38,15 +37,17 @@ from ray.autoscaler.tags import (
     TAG_RAY_USER_NODE_TYPE,
 )
 
-from tpuray.emulator.autoscale import (
-    HEAD_NODE_TYPE,
-    KV_NAMESPACE,
-    NODE_ID_ENV,
-    NODE_TYPES_KEY,
-    SLICES_KEY,
-)
+from tpuray.emulator.autoscale import HEAD_NODE_TYPE, NODE_ID_ENV
 from tpuray.emulator.hosts import start_host
 from tpuray.emulator.spec import HostSpec, host_specs
+from tpuray.slices.autoscaler import (
+    KV_NAMESPACE,
+    NODE_TYPES_KEY,
+    SLICES_KEY,
+    AutoscaledSlice,
+    SliceState,
+    encode,
+)
 from tpuray.topology import SliceTopology
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class _Slice:
     hosts: list[HostSpec]
     node_ids: list[str]  # by worker id, known before the hosts start
     tags: dict[str, str]
-    state: str = "starting"  # starting -> up -> stopping
+    state: SliceState = "starting"  # starting -> up -> stopping
     created_at: float = field(default_factory=time.time)
     nodes: dict[int, Any] = field(default_factory=dict)  # worker id -> ray._private.node.Node
     error: str = ""
@@ -85,6 +86,19 @@ class _Slice:
             for infos in node.all_processes.values()
             for info in infos
         ]
+
+    def published(self) -> AutoscaledSlice:
+        return {
+            "node_type": self.node_type,
+            "state": self.state,
+            "node_ids": list(self.node_ids),
+            "hosts_up": len(self.nodes),
+            "hosts": len(self.hosts),
+            "pids": self.pids(),
+            "raylet_pids": self.raylet_pids(),
+            "created_at": self.created_at,
+            "error": self.error,
+        }
 
 
 class _Joiner:
@@ -281,26 +295,11 @@ class EmulatedSliceProvider(NodeProvider):
 
     def _publish(self) -> None:
         with self._lock:
-            data = {
-                s.name: {
-                    "node_type": s.node_type,
-                    "state": s.state,
-                    "node_ids": list(s.node_ids),
-                    "hosts_up": len(s.nodes),
-                    "hosts": len(s.hosts),
-                    "pids": s.pids(),
-                    "raylet_pids": s.raylet_pids(),
-                    "created_at": s.created_at,
-                    "error": s.error,
-                }
-                for s in self._slices.values()
-            }
+            data = {s.name: s.published() for s in self._slices.values()}
         self._kv_put(SLICES_KEY, data)
 
     def _kv_put(self, key: str, value: Any) -> None:
         try:
-            self._gcs.internal_kv_put(
-                key.encode(), json.dumps(value).encode(), True, KV_NAMESPACE.encode(), timeout=5
-            )
+            self._gcs.internal_kv_put(key.encode(), encode(value), True, KV_NAMESPACE.encode(), timeout=5)
         except Exception as e:  # status display only; the autoscaler must not stop for it
             logger.warning("could not publish %s: %s", key, e)

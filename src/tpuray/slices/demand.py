@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from tpuray.constants import POD_TYPE_LABEL, SLICE_DEMAND_ENV, SLICE_NAME_LABEL, WORKER_ID_LABEL
-from tpuray.emulator.autoscale import check_slices_can_come
+from tpuray.slices.autoscaler import published_node_types, published_slices
 from tpuray.slices.inventory import SliceInfo, list_slices
 from tpuray.topology import SliceTopology
-from tpuray.validation import check_choice
+from tpuray.validation import ConfigError, check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,25 @@ def slice_demand() -> SliceDemand:
 
 
 def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> list[SliceInfo]:
-    """On an autoscaling emulated cluster, a ConfigError naming the shape and the autoscaler's node types
-    when `num_slices` slices of `topo` can never be reserved (see `check_slices_can_come`); elsewhere
-    nothing is checked. Returns the slices of that pod type alive now (requires ray.init())."""
+    """Where a slice autoscaler runs (autoscaler.py), refuse at once a reservation of `num_slices` slices
+    of `topo` that can never be placed: more than the slices of that pod type started by hand plus the
+    autoscaler's maximum for it. The ConfigError names the shape and the node types. Elsewhere nothing is
+    checked. Returns the slices of that pod type alive now (requires ray.init())."""
     same = [s for s in list_slices() if s.pod_type == topo.pod_type]
+    types = published_node_types()
+    if types is None:
+        return same
+    autoscaled = published_slices()
+    fixed = sum(1 for s in same if s.name not in autoscaled)
+    if num_slices <= fixed + sum(t.max_slices for t in types if t.pod_type == topo.pod_type):
+        return same
     shape = f"{topo.generation.accelerator_type} {topo.topology}"
-    check_slices_can_come(topo.pod_type, shape, num_slices, [s.name for s in same])
-    return same
+    raise ConfigError(
+        f"{num_slices} x {shape} (pod type {topo.pod_type}) can never be reserved here: this autoscaling "
+        f"emulated cluster has {fixed} such slice(s) started by hand and its autoscaler's node types are: "
+        f"{', '.join(t.describe() for t in types)}. Ask for one of those shapes, or start the cluster with "
+        "--max-slices for this one"
+    )
 
 
 def free_slices(slices: list[SliceInfo]) -> list[str]:

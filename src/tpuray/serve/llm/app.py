@@ -323,14 +323,14 @@ def _server_options(config: LLMConfig) -> dict[str, Any]:
 
 
 def _check_slice_can_come(config: LLMConfig) -> None:
-    """A replica on a slice no node type of an autoscaling emulated cluster can bring fails here, naming
+    """A replica on a slice no node type of the cluster's slice autoscaler can bring fails here, naming
     the shape and the node types, before anything is deployed (elsewhere, or with no Ray connection
     yet, nothing is checked: the replica's reservation waits for its slice)."""
     import ray
 
     if config.topology is None or not ray.is_initialized():
         return
-    from tpuray.emulator.autoscale import published_node_types
+    from tpuray.slices.autoscaler import published_node_types
     from tpuray.slices.demand import check_slices_can_be_reserved
 
     if published_node_types() is not None:  # one KV read; lists the slices only on such a cluster
