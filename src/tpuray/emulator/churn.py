@@ -88,6 +88,70 @@ def _canon(shape: tuple[str, str]) -> tuple[str, str]:
     return topo.generation.accelerator_type, topo.topology
 
 
+class _Churn:
+    """One seeded schedule on `cluster`: what is held, what was seen (run_churn)."""
+
+    def __init__(
+        self, cluster: EmulatedCluster, seed: int, preempt_probability: float, on_event: Any
+    ) -> None:
+        from tpuray.slices.autoscaler import published_node_types
+
+        self.cluster = cluster
+        self.rng = random.Random(seed)
+        self.preempt_probability = preempt_probability
+        self.on_event = on_event
+        self.held: list[tuple[str, tuple[str, str], Any]] = []  # (slice name, shape, reservation)
+        self.pids: set[int] = set()
+        self.limit = {(t.accelerator_type, t.topology): t.max_slices for t in published_node_types() or []}
+
+    def event(self, report: ChurnReport, what: str) -> None:
+        seen = settle(self.cluster)
+        self.pids.update(p for s in self.cluster.autoscaled_slices().values() for p in s["pids"])
+        report.events.append(what)
+        report.audits += 1
+        report.partial += len(seen.partial)
+        report.leaked += len(seen.leaked)
+        report.slices_started.update(seen.whole)
+        if self.on_event is not None:
+            self.on_event(what, seen)
+
+    def reserve(self, report: ChurnReport, shapes: list[tuple[str, str]]) -> int:
+        """Reserve a slice of a random shape the autoscaler can still bring; how many shapes could."""
+        from tpuray.slices.placement import SlicePlacementGroup
+
+        free = [s for s in shapes if sum(1 for h in self.held if h[1] == s) < self.limit.get(_canon(s), 0)]
+        if free:
+            shape = self.rng.choice(free)
+            spg = SlicePlacementGroup(shape[1], shape[0], timeout_s=300)
+            self.held.append((spg._slice_names[0], shape, spg))
+            self.event(report, f"reserve {shape[0]} {shape[1]} -> {spg._slice_names[0]}")
+        return len(free)
+
+    def release(self, report: ChurnReport, i: int) -> None:
+        """Release held reservation `i`, or first preempt one host of its slice."""
+        name, _, spg = self.held.pop(i)
+        if self.rng.random() < self.preempt_probability:
+            published = self.cluster.autoscaled_slices().get(name)
+            if published is not None:
+                host = published["node_ids"][-1]
+                self.cluster.preempt_host(host, notice_s=0).wait_killed(timeout_s=120)
+                self.event(report, f"preempt {name} host {host[:8]}")
+        spg.shutdown()
+        self.event(report, f"release {name}")
+
+    def wind_down(self, report: ChurnReport) -> None:
+        """Release everything held; every slice must then idle out, whole, and no process be left."""
+        from tpuray.emulator.detached import _alive
+
+        while self.held:
+            self.release(report, 0)
+        deadline = time.monotonic() + 300
+        while self.cluster.autoscaled_slices() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.event(report, "all idle slices gone")
+        report.leaked += len(self.cluster.autoscaled_slices()) + sum(1 for p in self.pids if _alive(p))
+
+
 def run_churn(
     cluster: EmulatedCluster,
     shapes: list[tuple[str, str]],
@@ -99,54 +163,13 @@ def run_churn(
     """`cycles` times: reserve a slice of a random shape (tpuray SlicePlacementGroup), then release a random
     held reservation, or first preempt one host of its slice (the slice must go whole and a replacement
     come). The cluster is audited after every event once it has settled."""
-    from tpuray.emulator.detached import _alive
-    from tpuray.slices.autoscaler import published_node_types
-    from tpuray.slices.placement import SlicePlacementGroup
-
-    rng = random.Random(seed)
+    churn = _Churn(cluster, seed, preempt_probability, on_event)
     report = ChurnReport(cycles)
-    held: list[tuple[str, tuple[str, str], Any]] = []
-    pids: set[int] = set()
-    limit = {(t.accelerator_type, t.topology): t.max_slices for t in published_node_types() or []}
     start = time.monotonic()
-
-    def event(what: str) -> None:
-        seen = settle(cluster)
-        pids.update(p for s in cluster.autoscaled_slices().values() for p in s["pids"])
-        report.events.append(what)
-        report.audits += 1
-        report.partial += len(seen.partial)
-        report.leaked += len(seen.leaked)
-        report.slices_started.update(seen.whole)
-        if on_event is not None:
-            on_event(what, seen)
-
-    def release(i: int) -> None:
-        name, _, spg = held.pop(i)
-        if rng.random() < preempt_probability:
-            published = cluster.autoscaled_slices().get(name)
-            if published is not None:
-                host = published["node_ids"][-1]
-                cluster.preempt_host(host, notice_s=0).wait_killed(timeout_s=120)
-                event(f"preempt {name} host {host[:8]}")
-        spg.shutdown()
-        event(f"release {name}")
-
     for _ in range(cycles):
-        free = [s for s in shapes if sum(1 for h in held if h[1] == s) < limit.get(_canon(s), 0)]
-        if free:
-            shape = rng.choice(free)
-            spg = SlicePlacementGroup(shape[1], shape[0], timeout_s=300)
-            held.append((spg._slice_names[0], shape, spg))
-            event(f"reserve {shape[0]} {shape[1]} -> {spg._slice_names[0]}")
-        if held and (rng.random() < 0.5 or len(free) <= 1):
-            release(rng.randrange(len(held)))
-    while held:
-        release(0)
-    deadline = time.monotonic() + 300
-    while cluster.autoscaled_slices() and time.monotonic() < deadline:  # every slice idles out, whole
-        time.sleep(0.5)
-    event("all idle slices gone")
-    report.leaked += len(cluster.autoscaled_slices()) + sum(1 for p in pids if _alive(p))
+        free = churn.reserve(report, shapes)
+        if churn.held and (churn.rng.random() < 0.5 or free <= 1):
+            churn.release(report, churn.rng.randrange(len(churn.held)))
+    churn.wind_down(report)
     report.seconds = time.monotonic() - start
     return report
