@@ -71,6 +71,27 @@ def test_ray_counts_emulated_slices(emulated_cluster: EmulatedCluster) -> None:
     assert get_num_ready_tpu_slices("2x2", "TPU-V6E") == 2
 
 
+def test_a_slice_added_by_hand_can_be_removed(emulated_cluster: EmulatedCluster) -> None:
+    from tpuray.slices import list_slices
+    from tpuray.validation import ConfigError
+
+    requests = list(emulated_cluster.requests)
+    (added,) = emulated_cluster.add_slices(SliceRequest("TPU-V5E", "1x1"))
+    assert added.name == "emulated-v5litepod-1-0" and added.name in {s.name for s in list_slices()}
+    with pytest.raises(ConfigError, match="cannot remove 'emulated-v6e-4-0' before 'emulated-v6e-4-1'"):
+        emulated_cluster.remove_slice("emulated-v6e-4-0")
+    emulated_cluster.remove_slice(added.name)
+    deadline = time.monotonic() + 60
+    while added.name in {s.name for s in list_slices()} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert added.name not in {s.name for s in list_slices()}
+    # a restart starts the cluster it was before the slice came
+    assert emulated_cluster.requests == requests
+    assert [s.name for s in emulated_cluster.slices] == ["emulated-v6e-4-0", "emulated-v6e-4-1"]
+    with pytest.raises(ConfigError, match="no emulated slice 'emulated-v5litepod-1-0'"):
+        emulated_cluster.remove_slice(added.name)
+
+
 def test_bad_requests_raise_before_starting() -> None:
     with pytest.raises(ValueError, match="3x3"):
         SliceRequest("TPU-V6E", "3x3")

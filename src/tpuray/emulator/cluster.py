@@ -8,6 +8,7 @@ node also carries `tpuray.io/emulated=true` and `TPURAY_EMULATION=1` (in every w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -206,13 +207,23 @@ class EmulatedCluster:
         return added
 
     def remove_slice(self, name: str) -> None:
-        """Stop every host of a slice started by hand (gracefully, as a released node) and forget it."""
-        sl = next((s for s in self.slices if s.name == name), None)
-        if sl is None or self._cluster is None:
+        """Stop every host of a slice started by hand (gracefully, as a released node) and forget it: a
+        restart no longer starts it. Slices of a pod type are numbered in order (`plan_slices`), so only
+        the last of its pod type may go."""
+        i = next((i for i, s in enumerate(self.slices) if s.name == name), None)
+        if i is None or self._cluster is None:
             raise ConfigError(f"no emulated slice {name!r} started by hand in {self!r}")
+        sl = self.slices[i]
+        later = [s.name for s in self.slices[i + 1 :] if s.topology.pod_type == sl.topology.pod_type]
+        if later:
+            raise ConfigError(
+                f"cannot remove {name!r} before {later[-1]!r}: slices of a pod type are numbered in order, "
+                "so only the last of its pod type may go"
+            )
         for node in [n for n in self._cluster.list_all_nodes() if n.node_id in sl.node_ids]:
             self._cluster.remove_node(node, allow_graceful=True)
-        self.slices.remove(sl)
+        del self.slices[i]
+        self.requests = _without(self.requests, i)
 
     def kill_host(self, node_id: str, timeout_s: float = 120.0) -> tuple[str, int]:
         """Hard-kill one emulated TPU host (its raylet and workers), as a host failure would.
@@ -426,3 +437,16 @@ def _checked_cores(cores: str, autoscale: bool) -> SliceCores:
     if cores == "per_slice" and not hasattr(os, "sched_setaffinity"):
         raise ConfigError("cores='per_slice' needs Linux's sched_setaffinity; use cores='shared' here")
     return cast(SliceCores, cores)
+
+
+def _without(requests: list[SliceRequest], index: int) -> list[SliceRequest]:
+    """`requests` less the slice planned `index`-th (plan_slices' order)."""
+    out = []
+    for req in requests:
+        if 0 <= index < req.count:
+            if req.count > 1:
+                out.append(dataclasses.replace(req, count=req.count - 1))
+        else:
+            out.append(req)
+        index -= req.count
+    return out

@@ -48,12 +48,6 @@ class SliceInfo:
     def idle(self) -> bool:
         return self.head_free and self.free_chips == self.chips
 
-    def summary(self) -> str:
-        state = "free" if self.idle else ("busy" if self.free_chips < self.chips else "reserved")
-        state = "draining" if self.draining else state
-        tag = " [emulated]" if self.emulated else ""
-        return f"{self.name} ({self.pod_type}, {self.topology}, {self.free_chips}/{self.chips} chips free, {state}){tag}"
-
 
 def list_slices() -> list[SliceInfo]:
     """Every TPU slice of the connected Ray cluster, sorted by name (requires ray.init())."""

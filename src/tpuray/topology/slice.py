@@ -130,10 +130,6 @@ class SliceTopology:
     def chips_per_host(self) -> int:
         return self.generation.chips_per_host(self.shape[: self.generation.dims])
 
-    @property
-    def devices_per_host(self) -> int:
-        return self.chips_per_host * self.generation.devices_per_chip
-
     @cached_property
     def num_hosts(self) -> int:
         return self.num_chips // self.chips_per_host
