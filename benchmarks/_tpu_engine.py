@@ -185,7 +185,7 @@ def serve_mixed(
 ) -> dict:
     """The engine's own loop (Scheduler: continuous batching) over requests of mixed prompt and output
     lengths, greedy and sampled; counts the programs compiled while serving."""
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     rng = random.Random(seed)
     sched = _scheduler(max_num_seqs, max_model_len)
@@ -212,7 +212,7 @@ def serve_mixed(
 def loop_rate(runner, steps: int, ahead: bool, max_num_seqs: int, max_model_len: int) -> float:
     """Tokens/s of one greedy request of `steps` tokens through the scheduler's loop (what a batch-1
     client of the engine sees, without HTTP): sampling, stop checks and detokenizing included."""
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     sched = _scheduler(max_num_seqs, max_model_len)
     _add(sched, list(range(3, 35)), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))

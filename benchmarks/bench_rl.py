@@ -207,8 +207,8 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
     every iteration; the engine, TP=2, runs in those workers): (rollout seconds: wake-up, generating 8
     sequences of 16 tokens and sleep; sync seconds; iteration seconds; bytes sleep freed)."""
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, grpo
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
     from tpuray.serve.llm.engine.vllm import vllm_available
+    from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig
 
     def rollout_fn(engine: Any, k: int) -> int:

@@ -130,7 +130,7 @@ async def http_throughput(url: str, clients: int, per_client: int, max_tokens: i
 
 async def engine_numbers(engine, max_tokens: int, clients: int) -> tuple[float, float]:
     """(ms per token for one sequence, tokens/s with `clients` concurrent sequences)."""
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     async def one(prompt: str, seed: int) -> int:
         n = 0

@@ -27,7 +27,7 @@ def run(workdir: Path, on_slice: bool) -> None:
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
     from tpuray.rl.vllm_rollout import SleepModeUnavailable
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     shape = {"hidden_size": 128, "num_attention_heads": 4, "max_position_embeddings": 256}
     first, second = (str(build_tiny_causal_lm(workdir / n, seed=s, **shape)) for n, s in (("a", 0), ("b", 1)))
@@ -85,7 +85,7 @@ def run_rl(workdir: Path) -> None:
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RLConfig, RLRun, RolloutConfig
     from tpuray.rl.grpo import two_slices
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig
 
     shape = {

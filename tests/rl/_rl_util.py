@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from _util import TWO_WORKERS_V6E_2X2
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 
 PROMPTS = ["Hello world", "1 + 2 =", "The"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

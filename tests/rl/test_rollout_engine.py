@@ -18,7 +18,7 @@ from tpuray.rl import (
     WeightMismatchError,
     put_shards,
 )
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 from tpuray.validation import ConfigError
 
 

@@ -56,7 +56,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
     from _util import alive_actors
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
     from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig, ScalingConfig
 
     a, b = vllm_models
@@ -126,7 +126,7 @@ def test_ranks_sampling_apart_fail_the_engine_and_end_the_run(
     from _util import alive_actors
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, RolloutEngineError
     from tpuray.rl.run import RLRunError
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig, ScalingConfig
 
     sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)

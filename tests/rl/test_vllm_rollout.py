@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM
 from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
 from tpuray.rl.vllm_rollout import SleepModeUnavailable, VLLMRolloutEngine
 from tpuray.rl.vllm_worker import pack_state
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 from tpuray.train import RunConfig, ScalingConfig
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -87,7 +87,7 @@ def test_embedded_engine_serves_a_file_url(tiny_model_dir, tmp_path, monkeypatch
 
     from tpuray.serve.llm import LLMConfig
     from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     monkeypatch.setenv("TPURAY_MODEL_CACHE", str(tmp_path / "cache"))
     cfg = LLMConfig(
@@ -179,7 +179,7 @@ def _slice_config(url: str, host_cache: Path, accelerator_type: str, topology: s
 def _greedy(engine, prompt: str = "Hello world") -> list[int]:
     import asyncio
 
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     async def go() -> list[int]:
         ids: list[int] = []

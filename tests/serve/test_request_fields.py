@@ -84,7 +84,7 @@ def refused(server, endpoint: str, body: dict) -> OpenAIError:
 
 
 def test_message_name_reaches_the_chat_template(server):
-    from tpuray.serve.llm.engine.embedded.prompts import template_messages
+    from tpuray.serve.llm.openai_schema import template_messages
 
     tok = server.engine.tokenizer
     messages = [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]

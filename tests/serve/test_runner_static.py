@@ -13,7 +13,6 @@ from tpuray.serve.llm import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.engine.embedded.model import prefill_mask
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, warmup_prefill
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.engine.embedded.step_plan import (
     Buckets,
     PrefillPack,
@@ -21,6 +20,7 @@ from tpuray.serve.llm.engine.embedded.step_plan import (
     pack_prefills,
     powers_of_two,
 )
+from tpuray.serve.llm.generation import SamplingParams
 
 
 def test_buckets_pick_and_pack():

@@ -148,7 +148,7 @@ def test_chat_logprobs_equal_transformers_log_softmax(server, tiny_model_dir):
     content = _run(server.handle("chat", body))["choices"][0]["logprobs"]["content"]
     prompt = server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     # replay the greedy tokens through transformers: every step's logprob must match
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     async def tokens() -> list[int]:
         ids: list[int] = []

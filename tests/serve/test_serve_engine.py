@@ -10,7 +10,8 @@ import torch
 from tpuray.serve.llm import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.sampling import sample_batch
+from tpuray.serve.llm.generation import SamplingParams
 
 
 @pytest.fixture(scope="module")

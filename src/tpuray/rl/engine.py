@@ -32,7 +32,7 @@ from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, s
 from tpuray.rl.worker import RolloutWorker, RunnerWeights, check_sleep_level
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)

@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
 
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RolloutConfig, RolloutEngine
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
 
     torch.manual_seed(args.seed)
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
@@ -229,7 +229,7 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     engine (TP=2) on another: `tpuray.rl.RLRun`, disaggregated, `--overlap` off-policy by one step;
     `--colocate`: one slice, the engine inside the trainer's two workers, sleeping while they train."""
     from tpuray.rl import RLRun, RolloutEngine
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig
 
     split: list[tuple[float, float, float]] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol, get_args
 
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 
 SleepLevel = Literal[1, 2]
 """How a rollout engine sleeps (vLLM's levels): 1, its weights copied to host memory first; 2, discarded

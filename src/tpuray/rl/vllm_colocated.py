@@ -33,10 +33,9 @@ from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.weights import WeightMismatchError
 from tpuray.serve.llm import model_source
-from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 from tpuray.serve.llm.engine.vllm.engine import default_cpu_kv_cache
+from tpuray.serve.llm.generation import PromptEncoder, SamplingParams
 
 logger = logging.getLogger(__name__)
 

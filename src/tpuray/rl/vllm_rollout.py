@@ -33,10 +33,8 @@ from tpuray.rl.protocol import GenerationEngine
 from tpuray.rl.sync import TrainerUpdate, on_this_node
 from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
-from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-from tpuray.serve.llm.engine.embedded.scheduler import SeqOutput
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
+from tpuray.serve.llm.generation import PromptEncoder, SamplingParams, SeqOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from typing import Any, NamedTuple
 from tpuray.serve.llm.backend import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
-from tpuray.serve.llm.engine.embedded.prompts import TemplateError, template_messages
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams, TemplateError
 from tpuray.serve.llm.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +28,7 @@ from tpuray.serve.llm.openai_schema import (
     new_id,
     now,
     parse_request,
+    template_messages,
     usage,
 )
 from tpuray.serve.llm.params import sampling_params

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -267,6 +268,18 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+def template_messages(messages: Iterable[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the chat template sees them: role (developer -> system), text content, and `name`
+    when the message has one (as vLLM hands it to `apply_chat_template`)."""
+    out = []
+    for m in messages:
+        message = {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 class FunctionDef(BaseModel):

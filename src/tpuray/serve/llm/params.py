@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+from tpuray.serve.llm.generation import SamplingParams
 from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from tpuray.serve.llm.engine.embedded.logits import TokenLogprobs
+from tpuray.serve.llm.generation import TokenLogprobs
 
 BYTES_PREFIX = "bytes:"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

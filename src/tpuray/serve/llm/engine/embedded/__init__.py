@@ -1,8 +1,9 @@
 """The embedded PyTorch engine (`engine.EmbeddedEngine`) and its internals: one Ray actor per chip
 (`worker.EngineWorker`) runs the Llama-style model (`model`) with its KV cache (`kv_cache`) through
 shape-static steps (`runner`, `step_plan`); the scheduler
-(`scheduler`) batches sequences and samples (`sampling`, `logits`, `grammar`); `prompts` encodes prompts
-and chat messages; `fields` is the table of what the engine honours and refuses.
+(`scheduler`) batches sequences and samples (`sampling`, `logits`, `grammar`); what it takes and gives
+(`SamplingParams`, `SeqOutput`, `PromptEncoder`) is engine-neutral: `tpuray.serve.llm.generation`; `fields` is
+the table of what the engine honours and refuses.
 
 The engine's interface, used by the embedded backend (`tpuray.serve.llm.embedded_backend.EmbeddedBackend`):
 `tokenizer`, `max_model_len`, `encode_prompt(prompt)`, `apply_chat_template(messages)`,

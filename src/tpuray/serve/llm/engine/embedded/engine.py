@@ -26,11 +26,10 @@ from typing import Any
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded.pipeline import Flight, StepPipeline
-from tpuray.serve.llm.engine.embedded.prompts import PromptEncoder
 from tpuray.serve.llm.engine.embedded.runner import Launched, ModelRunner, StepResult
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
-from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, SeqOutput, Sequence
+from tpuray.serve.llm.engine.embedded.scheduler import Scheduler, Sequence
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
+from tpuray.serve.llm.generation import PromptEncoder, SamplingParams, SeqOutput
 from tpuray.slices import start_group
 from tpuray.slices.inventory import holder_name
 from tpuray.slices.worker_group import SliceWorkerGroup, WorkerGroupSpec

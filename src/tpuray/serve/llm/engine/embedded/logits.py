@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tpuray.serve.llm.generation import TokenLogprobs
+
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
@@ -87,9 +89,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         allowed = torch.cat([allowed, pad], dim=1)
     idx = list(rows)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-
-
-TokenLogprobs = tuple[int, float, list[tuple[int, float]]]  # (token, logprob, [(top token, logprob)...])
 
 
 def token_logprobs(

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from tpuray.serve.llm.engine.embedded.logits import TokenLogprobs, token_logprobs
+from tpuray.serve.llm.engine.embedded.logits import token_logprobs
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama
 from tpuray.serve.llm.engine.embedded.step_plan import (
     FROM_DEVICE,
@@ -26,6 +26,7 @@ from tpuray.serve.llm.engine.embedded.step_plan import (
     decode_batches,
     pack_prefills,
 )
+from tpuray.serve.llm.generation import TokenLogprobs
 
 PromptLogprobs = dict[int, list[TokenLogprobs]]  # batch index -> logprobs of prompt tokens 1.. (echo)
 

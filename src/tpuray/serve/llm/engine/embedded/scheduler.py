@@ -20,29 +20,15 @@ import torch
 
 from tpuray.serve.llm.engine.embedded import grammar as grammar_lib
 from tpuray.serve.llm.engine.embedded.logits import (
-    TokenLogprobs,
     apply_bitmask,
     apply_logit_bias,
     apply_penalties,
     apply_token_masks,
     token_logprobs,
 )
-from tpuray.serve.llm.engine.embedded.sampling import SamplingParams, sample_batch
+from tpuray.serve.llm.engine.embedded.sampling import sample_batch
 from tpuray.serve.llm.engine.embedded.step_plan import FROM_DEVICE
-
-
-@dataclass
-class SeqOutput:
-    """What a sequence produced since its last output."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of token_ids, when asked for
-    prompt_logprobs: list[TokenLogprobs] | None = None  # first output only, when asked for (echo)
+from tpuray.serve.llm.generation import SamplingParams, SeqOutput, TokenLogprobs
 
 
 @dataclass
