@@ -61,7 +61,7 @@ def main() -> int:
 
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.backends.embedded import EmbeddedBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(

@@ -76,7 +76,7 @@ async def post_floor_latencies(url: str, n: int) -> list[float]:
 
 
 async def direct_throughput(server, clients: int, per_client: int, max_tokens: int) -> float:
-    from tpuray.serve.llm.openai_schema import CompletionRequest
+    from tpuray.serve.llm.openai.protocol import CompletionRequest
 
     async def client(k):
         toks = 0
@@ -93,7 +93,7 @@ async def direct_throughput(server, clients: int, per_client: int, max_tokens: i
 
 
 async def direct_latencies(server, n: int) -> list[float]:
-    from tpuray.serve.llm.openai_schema import CompletionRequest
+    from tpuray.serve.llm.openai.protocol import CompletionRequest
 
     out = []
     for i in range(n + 5):
@@ -208,7 +208,7 @@ def variant_child(variant: str, requests: int, direct: bool = True) -> None:
             "conc": asyncio.run(http_throughput(url, clients=16, per_client=4, max_tokens=32)),
         }
         if direct:  # (--only-variants leaves it out: it may run against older tpuray sources)
-            from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+            from tpuray.serve.llm.backends.embedded import EmbeddedBackend
 
             server = EmbeddedBackend(LLMConfig(**cfg))
             out["direct"] = asyncio.run(direct_latencies(server, requests))
@@ -291,7 +291,7 @@ def main() -> None:
     from tpuray.emulator import EmulatedCluster, SliceRequest
     from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.backends.embedded import EmbeddedBackend
     from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 
     rows: list[tuple[str, str, str, str]] = []

@@ -1,4 +1,4 @@
-"""Requests both engines must answer the same way (issue 22, items 4 and 5; request_checks.py's table):
+"""Requests both engines must answer the same way (issue 22, items 4 and 5; openai/checks.py's table):
 (endpoint, fields on top of a valid request, the param the 400 names) and (endpoint, fields) honoured.
 Bodies go out as JSON text with ASCII escapes, so a lone surrogate travels as `\\ud800`."""
 

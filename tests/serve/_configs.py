@@ -8,7 +8,7 @@ MAX_MODEL_LEN = 256
 def in_process_server(model_id: str, model_dir: str, max_model_len: int = MAX_MODEL_LEN):
     """The embedded engine and its OpenAI layer in this process (float32: comparable with transformers)."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
+    from tpuray.serve.llm.backends.embedded import EmbeddedBackend
 
     return EmbeddedBackend(
         LLMConfig(

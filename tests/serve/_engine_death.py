@@ -110,8 +110,8 @@ def check_the_deadline_ends_a_running_stream(config, model: str, timeout_s: floa
     """In this process: a replica (LLMServer) for `config` streams a 100-token completion; the failover
     slot retires its engine with a preemption deadline already past. The stream must end early with the
     replica's 503 naming SlicePreemptedError (its last chunk), not run on or hang."""
-    from tpuray.serve.llm.openai_schema import OpenAIError
-    from tpuray.serve.llm.replica import LLMServer
+    from tpuray.serve.llm.deployments.server import LLMServer
+    from tpuray.serve.llm.openai.errors import OpenAIError
     from tpuray.slices.drain import PreemptionInfo
 
     body = {"model": model, "prompt": "ab", "max_tokens": 100, "ignore_eos": True, "stream": True}

@@ -14,8 +14,9 @@ from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
-from tpuray.serve.llm.request_checks import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
+from tpuray.serve.llm.openai.checks import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _run(coro):

@@ -78,7 +78,7 @@ def test_a_model_vllm_can_run_keeps_vllm(tmp_path):
 WARM_UP_CHILD = """
 import asyncio, json, os, sys
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.vllm_backend import VLLMBackend
+from tpuray.serve.llm.backends.vllm import VLLMBackend
 cfg = LLMConfig(model_loading_config={"model_id": "tiny-hd8", "model_source": sys.argv[1]},
                 llm_engine="vLLM", engine_kwargs=json.loads(sys.argv[2]))
 server = VLLMBackend(cfg)

@@ -150,7 +150,7 @@ def test_fastapi_validation_errors_are_openai_400s_naming_the_param():
 
     from fastapi.exceptions import RequestValidationError
 
-    from tpuray.serve.llm.app import _validation_error
+    from tpuray.serve.llm.deployments.router import _validation_error
 
     error = {
         "loc": ("path", "model"),

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuray.serve.llm.responses import BYTES_PREFIX, _byte_level_alphabet, string_bytes, token_string
+from tpuray.serve.llm.openai.logprobs import BYTES_PREFIX, _byte_level_alphabet, string_bytes, token_string
 
 # multi-byte characters: their bytes are separate tokens of the tiny model's byte-level BPE
 WIDE = "é’€日本😀"

@@ -15,12 +15,8 @@ import pytest
 from _configs import in_process_server
 from _vllm_fields import CH, VLLM_REFUSED, C
 
-from tpuray.serve.llm.openai_schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    parse_request,
-)
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 # the tiny model's template, plus the message's name and a template variable (chat_template_kwargs)
 NAMED_TEMPLATE = (
@@ -84,7 +80,7 @@ def refused(server, endpoint: str, body: dict) -> OpenAIError:
 
 
 def test_message_name_reaches_the_chat_template(server):
-    from tpuray.serve.llm.openai_schema import template_messages
+    from tpuray.serve.llm.openai.protocol import template_messages
 
     tok = server.engine.tokenizer
     messages = [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]
@@ -216,7 +212,7 @@ def test_every_vllm_only_field_is_in_the_refused_table():
 
 def test_vllm_fields_at_their_defaults_are_accepted_and_unknown_fields_logged(caplog):
     body = {"model": "m", "prompt": "x", "use_beam_search": False, "priority": 0, "bad_words": []}
-    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.openai_schema"):
+    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.openai.protocol"):
         parse_request(CompletionRequest, body)
         assert not caplog.records  # vLLM's defaults are what this engine does: nothing ignored
         parse_request(CompletionRequest, {**body, "frobnicate": 1, "zz_unknown": "x"})

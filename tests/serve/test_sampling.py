@@ -18,7 +18,7 @@ from tpuray.serve.llm.engine.embedded.logits import (
     token_logprobs,
 )
 from tpuray.serve.llm.engine.embedded.sampling import _min_p, _top_k
-from tpuray.serve.llm.responses import string_bytes
+from tpuray.serve.llm.openai.logprobs import string_bytes
 
 V = 50
 
@@ -248,7 +248,7 @@ def test_tokenize_and_detokenize_have_vllms_shapes(server):
     chat = _run(server.handle("tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
     assert chat["tokens"] == server.engine.apply_chat_template([{"role": "user", "content": "hi"}])
     assert _run(server.handle("detokenize", {"tokens": r["tokens"]})) == {"prompt": "hello world"}
-    from tpuray.serve.llm.openai_schema import OpenAIError
+    from tpuray.serve.llm.openai.errors import OpenAIError
 
     with pytest.raises(OpenAIError) as e:
         _run(server.handle("detokenize", {"tokens": [10**7]}))

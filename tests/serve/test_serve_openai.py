@@ -79,8 +79,8 @@ def test_tensor_parallel_matches_single_chip(client, tiny_model_dir):
     """Greedy text from the 4-way sharded engine (async scheduling) equals the unsharded engine in this
     process (synchronous)."""
     from tpuray.serve.llm import LLMConfig
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
-    from tpuray.serve.llm.openai_schema import CompletionRequest
+    from tpuray.serve.llm.backends.embedded import EmbeddedBackend
+    from tpuray.serve.llm.openai.protocol import CompletionRequest
 
     local = EmbeddedBackend(
         LLMConfig(

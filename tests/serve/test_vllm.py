@@ -287,7 +287,7 @@ def test_bad_requests_to_vllm_are_400s_naming_the_param(app, endpoint, fields, p
 
 
 def test_vllm_answers_like_the_embedded_engine(app):
-    """request_checks.py's rules (the list test_bad_input.py sends to the embedded engine): 400s naming
+    """openai/checks.py's rules (the list test_bad_input.py sends to the embedded engine): 400s naming
     the param (streamed too), the same fields honoured, malformed bodies 400, a huge one 413."""
     from _bad_requests import check_answers_alike
 

@@ -15,9 +15,9 @@ from tpuray.serve.llm.config import LLMConfig, LLMServingArgs, ModelLoadingConfi
 _LAZY = {
     "build_openai_app": "tpuray.serve.llm.app",
     "build_llm_deployment": "tpuray.serve.llm.app",
-    "LLMServer": "tpuray.serve.llm.app",
-    "LLMRouter": "tpuray.serve.llm.app",
-    "minilm_config": "tpuray.serve.llm.embedding_backend",
+    "LLMServer": "tpuray.serve.llm.deployments.server",
+    "LLMRouter": "tpuray.serve.llm.deployments.router",
+    "minilm_config": "tpuray.serve.llm.backends.embedding",
 }
 
 __all__ = ["LLMConfig", "LLMServingArgs", "ModelLoadingConfig", *_LAZY]

@@ -1,4 +1,4 @@
-"""An OpenAI request (openai_schema.py, already type-checked) -> the embedded engine's SamplingParams.
+"""An OpenAI request (openai/protocol.py, already type-checked) -> the embedded engine's SamplingParams.
 
 Checks what needs the model: the prompt fits max_model_len, logit_bias, stop_token_ids and
 allowed_token_ids name tokens of its vocabulary, min_tokens <= max_tokens, a response_format schema
@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from tpuray.serve.llm.generation import SamplingParams
-from tpuray.serve.llm.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _token_ids(engine: Any, ids: list[int], param: str) -> list[int]:

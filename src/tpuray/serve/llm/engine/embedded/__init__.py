@@ -5,7 +5,7 @@ shape-static steps (`runner`, `step_plan`); the scheduler
 (`SamplingParams`, `SeqOutput`, `PromptEncoder`) is engine-neutral: `tpuray.serve.llm.generation`; `fields` is
 the table of what the engine honours and refuses.
 
-The engine's interface, used by the embedded backend (`tpuray.serve.llm.embedded_backend.EmbeddedBackend`):
+The engine's interface, used by the embedded backend (`tpuray.serve.llm.backends.embedded.EmbeddedBackend`):
 `tokenizer`, `max_model_len`, `encode_prompt(prompt)`, `apply_chat_template(messages)`,
 `generate(prompt_ids, SamplingParams, index) -> AsyncIterator[SeqOutput]`, `describe()`, `shutdown()`.
 """

@@ -9,7 +9,7 @@ are parsed by vLLM's protocol classes.
 
 Nothing is silently ignored on this path either. vLLM's classes coerce types ("2" -> 2, "yes" -> True)
 and drop some OpenAI fields with only a debug log, so before vLLM parses a request tpuray checks it:
-- the OpenAI fields tpuray's own schema (openai_schema.py) defines get tpuray's strict types (`strict_check`); ranges are
+- the OpenAI fields tpuray's own protocol (openai/protocol.py) defines get tpuray's strict types (`strict_check`); ranges are
   left to vLLM (its limits differ from the embedded engine's, e.g. temperature above 2);
 - the fields vLLM accepts and never uses (`VLLM_DROPS`) are refused with a 400 naming them;
 - a vLLM error that names no `param` gets the request field its message names.
@@ -26,12 +26,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from tpuray.serve.llm import openai_schema
-from tpuray.serve.llm.backend import EngineBackend, warm_up_error
+from tpuray.serve.llm.backends.base import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
-from tpuray.serve.llm.openai_schema import OpenAIError, now, parse_request
-from tpuray.serve.llm.request_checks import check_body
+from tpuray.serve.llm.openai import protocol
+from tpuray.serve.llm.openai.checks import check_body
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.protocol import now, parse_request
 
 DONE = "data: [DONE]\n\n"
 
@@ -55,8 +56,8 @@ _HARMLESS: dict[str, tuple[Any, ...]] = {"store": (False,), "metadata": ({},), "
 # response_format, named tool choices): their checks are vLLM's.
 _VLLM_TYPED = {"messages", "tools", "tool_choice", "response_format", "functions", "function_call"}
 _TPURAY_CLASSES: dict[str, type[BaseModel]] = {
-    "completions": openai_schema.CompletionRequest,
-    "chat": openai_schema.ChatCompletionRequest,
+    "completions": protocol.CompletionRequest,
+    "chat": protocol.ChatCompletionRequest,
 }
 
 

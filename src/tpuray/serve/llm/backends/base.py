@@ -1,9 +1,5 @@
-"""The serving backend interface: what `LLMServer` (replica.py) needs from the backend of one model.
-
-Backends, one module each:
-- `VLLMBackend` (vllm_backend.py): vLLM's engine and vLLM's own OpenAI layer (engine "vLLM");
-- `EmbeddedBackend` (embedded_backend.py): the embedded engine with tpuray's OpenAI layer (engine "embedded");
-- `EmbeddingBackend` (embedding_backend.py): /v1/embeddings (task "embed").
+"""The serving backend interface: what `LLMServer` (deployments/server.py) needs from the backend of one
+model. The backends, one module each, and which one a config gets: factory.py.
 
 A backend takes requests as JSON dicts parsed by its own protocol and raises OpenAIError for a bad
 request. `start()` proves its engine (a 1-token warm-up generation, or one embedding); on failure it
@@ -22,7 +18,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.openai_schema import OpenAIError
 
 
 class Backend(Protocol):
@@ -74,7 +69,7 @@ class EngineBackend:
         return int(self.engine.max_model_len)
 
     def card(self) -> dict[str, Any]:
-        from tpuray.serve.llm.openai_schema import model_card
+        from tpuray.serve.llm.openai.protocol import model_card
 
         return model_card(self.model_id, self.created, self.max_model_len)
 
@@ -96,16 +91,4 @@ def warm_up_error(
     return RuntimeError(
         f"model {config.model_id!r}: the {engine} engine failed its warm-up {what} at start, so this "
         f"replica does not serve: {type(error).__name__}: {error}"
-    )
-
-
-def engine_dead_error(model_id: str, cause: BaseException) -> OpenAIError:
-    """What a client gets when the engine of its model died (or the model's replica, behind a router):
-    503, retry (Serve is replacing the replica)."""
-    return OpenAIError(
-        f"model `{model_id}` is unavailable: its engine died ({type(cause).__name__}: {cause}); Serve is "
-        "replacing its replica (or it moved off a preempted slice), retry shortly",
-        503,
-        type="service_unavailable",
-        code="engine_dead",
     )

@@ -1,10 +1,10 @@
 """The OpenAI semantics of a model on the embedded engine: prompts -> sequences -> response dicts.
 
-`EmbeddedBackend` is plain Python (no Serve): the `LLMServer` replica wraps it (see replica.py for the
+`EmbeddedBackend` is plain Python (no Serve): the `LLMServer` replica wraps it (see base.py for the
 backend interface), and benchmarks call it directly to measure the engine without HTTP. Requests arrive
-as JSON dicts and are validated with tpuray's OpenAI schema (openai_schema.py); prompt length is checked against
+as JSON dicts and are validated with tpuray's OpenAI protocol (openai/protocol.py); prompt length is checked against
 max_model_len before any sequence is queued. (A vLLM model uses vLLM's own OpenAI layer instead:
-vllm_backend.py.)
+vllm.py.)
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from tpuray.serve.llm.backend import EngineBackend, warm_up_error
+from tpuray.serve.llm.backends.base import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.generation import SamplingParams, TemplateError
-from tpuray.serve.llm.openai_schema import (
+from tpuray.serve.llm.openai.checks import check_body
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.logprobs import LogprobFormatter, TextOffsets
+from tpuray.serve.llm.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    OpenAIError,
     TokenizeRequest,
     new_id,
     now,
@@ -32,8 +34,6 @@ from tpuray.serve.llm.openai_schema import (
     usage,
 )
 from tpuray.serve.llm.params import sampling_params
-from tpuray.serve.llm.request_checks import check_body
-from tpuray.serve.llm.responses import LogprobFormatter, TextOffsets
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EmbeddedBackend(EngineBackend):
         self.formatter = LogprobFormatter(self.engine.tokenizer)
 
     async def start(self) -> None:
-        """The engine is built in the constructor; prove it with a 1-token generation (replica.py)."""
+        """The engine is built in the constructor; prove it with a 1-token generation (base.py)."""
         try:
             async for _ in self.engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0)):
                 pass

@@ -1,7 +1,7 @@
 """`LLMServer`: one model replica (its engine and TPU slice) behind a uniform request interface.
 
-`create_backend` picks the backend of the config's engine; the interface every backend follows
-(`Backend`) and what the generating ones share (`EngineBackend`) are in backend.py.
+The backend of the config's engine comes from `tpuray.serve.llm.backends.factory.create_backend`; the
+interface every backend follows (`Backend`) is in backends/base.py.
 
 Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
 instead of raising it, so a bad request costs no exception traceback in the replica log. A request that
@@ -13,29 +13,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tpuray.serve.llm.backend import Backend, engine_dead_error
+from tpuray.serve.llm.backends.base import Backend
+from tpuray.serve.llm.backends.factory import create_backend
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.openai_schema import OpenAIError
-
-
-def create_backend(config: LLMConfig) -> Backend:
-    """The backend the config's engine asks for (engine resolved in LLMConfig: "vLLM" or "embedded")."""
-    if config.task == "embed":
-        from tpuray.serve.llm.embedding_backend import EmbeddingBackend
-
-        return EmbeddingBackend(config)
-    if config.engine == "vLLM":
-        from tpuray.serve.llm import model_source
-
-        # build_openai_app decided this already; a config started directly is decided here
-        config.choose_engine_for_model(model_source.read_config(config.model_source))
-    if config.engine == "vLLM":
-        from tpuray.serve.llm.vllm_backend import VLLMBackend
-
-        return VLLMBackend(config)
-    from tpuray.serve.llm.embedded_backend import EmbeddedBackend
-
-    return EmbeddedBackend(config)
+from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error
 
 
 class LLMServer:
@@ -51,7 +32,7 @@ class LLMServer:
         return server
 
     async def _start(self, llm_config: LLMConfig) -> None:
-        from tpuray.serve.llm.failover import EngineSlot
+        from tpuray.serve.llm.deployments.failover import EngineSlot
 
         self.config = llm_config
         self.slot: EngineSlot | None = None

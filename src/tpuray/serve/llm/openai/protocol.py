@@ -1,7 +1,6 @@
-"""OpenAI wire format: request schemas (pydantic), response builders and the JSON error format.
-
-Errors always have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; validation failures
-(malformed JSON, missing fields, bad types) are 400 like OpenAI, not FastAPI's default 422.
+"""The OpenAI protocol as tpuray's embedded engine reads it: request models (pydantic, strict types and
+OpenAI's and vLLM's bounds), `parse_request`, and the helpers responses are built with (ids, usage, the
+model card). A parse failure is a 400 naming the field (errors.py).
 """
 
 from __future__ import annotations
@@ -15,66 +14,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpuray.serve.llm.engine.embedded import fields
+from tpuray.serve.llm.openai.errors import OpenAIError, error_from_validation
 
 logger = logging.getLogger(__name__)
-
-
-class OpenAIError(Exception):
-    """An error returned to the client in OpenAI's format with an HTTP status."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __reduce__(self):  # picklable across Ray with all fields
-        return (OpenAIError, (self.message, self.status, self.type, self.param, self.code))
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
-
-
-def _param(loc: tuple) -> str | None:
-    """The request field a pydantic error location names: `stream_options.include_usage`, without
-    pydantic's union-member tags (`prompt.list[int]` -> `prompt`)."""
-    parts = []
-    for p in loc:
-        if p == "body":
-            continue
-        if not isinstance(p, str):  # a list index: messages.0.role
-            parts.append(str(p))
-            continue
-        if "[" in p or p.split("-")[0] in _TYPE_TAGS or p.startswith(("function-", "json-")):
-            continue
-        parts.append(p)
-    return ".".join(parts) or None
-
-
-def error_from_validation(errors: list[dict[str, Any]]) -> OpenAIError:
-    """Map pydantic/FastAPI validation errors to one OpenAI 400 error naming the first bad field."""
-    if not errors:
-        return OpenAIError("invalid request")
-    first = errors[0]
-    param = _param(tuple(first.get("loc", ())))
-    if first.get("type") == "json_invalid":
-        return OpenAIError(
-            f"request body is not valid JSON: {first.get('msg', '')}", param=None, code="invalid_json"
-        )
-    msg = first.get("msg", "invalid value")
-    if "input" in first and first.get("type") != "missing":
-        msg = f"{msg} (got {first['input']!r})"
-    return OpenAIError(
-        f"invalid value for '{param}': {msg}" if param else msg, param=param, code="invalid_value"
-    )
 
 
 StopT = str | list[str] | None
@@ -259,7 +201,7 @@ class _ChecksContentParts(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    # OpenAI's roles (request_checks.ROLES names a bad one first, on both engines)
+    # OpenAI's roles (checks.ROLES names a bad one first, on both engines)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template with the message (as vLLM does)

@@ -13,15 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
-from tpuray.serve.llm.openai_schema import (
-    EmbeddingRequest,
-    OpenAIError,
-    model_card,
-    now,
-    parse_request,
-    usage,
-)
-from tpuray.serve.llm.request_checks import check_body
+from tpuray.serve.llm.openai.checks import check_body
+from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.protocol import EmbeddingRequest, model_card, now, parse_request, usage
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -66,10 +60,10 @@ class EmbeddingBackend:
         )
         self.torch = torch
 
-    # -- the backend interface (replica.py) -----------------------------------------------------------
+    # -- the backend interface (base.py) -----------------------------------------------------------
     async def start(self) -> None:
-        """Loaded in the constructor; proven with one embedding before the replica is ready (replica.py)."""
-        from tpuray.serve.llm.backend import warm_up_error
+        """Loaded in the constructor; proven with one embedding before the replica is ready (base.py)."""
+        from tpuray.serve.llm.backends.base import warm_up_error
 
         try:
             await asyncio.to_thread(self.embed_texts, ["warm-up"])

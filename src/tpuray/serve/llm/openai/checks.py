@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from tpuray.serve.llm.openai_schema import OpenAIError
+from tpuray.serve.llm.openai.errors import OpenAIError
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a request body larger than this is refused unread (413)
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper are refused before parsing

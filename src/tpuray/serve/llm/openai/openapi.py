@@ -1,7 +1,7 @@
 """The OpenAPI document of the OpenAI app (`/openapi.json`): the real request and response models.
 
 The routes read their JSON bodies themselves (size and nesting bounded before parsing, then each
-backend's strict protocol: request_checks.py, openai_schema.py, vllm_backend.py), so FastAPI never parses or
+backend's strict protocol: checks.py, protocol.py, backends/vllm.py), so FastAPI never parses or
 validates a body and never answers 422: bad input is an OpenAI-style 400 naming the param. The request
 models are tpuray's protocol classes (types, bounds, required fields), written into the document here;
 the response models below are documentation only (responses are built as dicts by the backends; vLLM's
@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
-from tpuray.serve.llm import openai_schema
+from tpuray.serve.llm.openai import protocol
 
 REF = "#/components/schemas/{model}"
 
@@ -131,11 +131,11 @@ SSE = {
 }
 # path -> (request model, response model, streams)
 POST_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel], bool]] = {
-    "/v1/completions": (openai_schema.CompletionRequest, CompletionResponse, True),
-    "/v1/chat/completions": (openai_schema.ChatCompletionRequest, ChatCompletionResponse, True),
-    "/v1/embeddings": (openai_schema.EmbeddingRequest, EmbeddingResponse, False),
-    "/tokenize": (openai_schema.TokenizeRequest, TokenizeResponse, False),
-    "/detokenize": (openai_schema.DetokenizeRequest, DetokenizeResponse, False),
+    "/v1/completions": (protocol.CompletionRequest, CompletionResponse, True),
+    "/v1/chat/completions": (protocol.ChatCompletionRequest, ChatCompletionResponse, True),
+    "/v1/embeddings": (protocol.EmbeddingRequest, EmbeddingResponse, False),
+    "/tokenize": (protocol.TokenizeRequest, TokenizeResponse, False),
+    "/detokenize": (protocol.DetokenizeRequest, DetokenizeResponse, False),
 }
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request: `param` names the field"},
@@ -183,7 +183,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": REF.format(model=request.__name__)}}},
         }
-    for item in doc["paths"].values():  # no 422: validation errors are OpenAI 400s (app.py)
+    for item in doc["paths"].values():  # no 422: validation errors are OpenAI 400s (deployments/router.py)
         for op in item.values():
             if op.get("responses", {}).pop("422", None) is not None:
                 op["responses"].setdefault("400", {"description": "invalid request"})

@@ -1,7 +1,7 @@
 """Serving through a preemption: a replica whose slice is being preempted moves to another slice, and
 no request fails when a free slice is there to take it.
 
-`EngineSlot` holds the replica's current backend (replica.py) and watches the backend's slice for Ray's
+`EngineSlot` holds the replica's current backend (backends/base.py) and watches the backend's slice for Ray's
 preemption notice (a drain of one of its hosts, `tpuray.slices.drain`). On a notice it
 1. stops giving the old engine new requests: they wait (up to `wait_timeout_s`) for the replacement;
 2. starts a replacement backend, which reserves another whole slice (Ray schedules nothing new on a
@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from tpuray.constants import DEADLINE_MARGIN_S
-from tpuray.serve.llm.openai_schema import OpenAIError
+from tpuray.serve.llm.openai.errors import OpenAIError
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, draining_nodes
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,270 @@
+"""The OpenAI ingress: `LLMRouter` (FastAPI on Ray Serve) authenticates, reads the JSON body (size and
+nesting bounded before parsing), routes on its `model` and frames SSE, in front of the models'
+`LLMServer`s (server.py). Several models: each request goes to its model's LLMServer deployment through
+a Serve handle. One model: the router's replica holds that model's LLMServer in-process, one Serve hop
+fewer per request. The model's backend parses and validates the request with its engine's own
+protocol, so nothing a backend supports is dropped on the way.
+
+(No `from __future__ import annotations` here: FastAPI must see real types in the routes' signatures.)
+"""
+
+import inspect
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.exceptions import RayActorError
+
+from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.deployments.server import LLMServer
+from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
+from tpuray.serve.llm.openai.checks import read_json
+from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error, error_from_validation
+from tpuray.serve.llm.openai.openapi import (
+    METRICS_DOCS,
+    Health,
+    ModelCard,
+    ModelList,
+    get_docs,
+    openapi_document,
+    post_docs,
+)
+from tpuray.validation import ConfigError
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="tpuray OpenAI-compatible API")
+api.openapi = lambda: openapi_document(api)  # type: ignore[method-assign]  # the request models (openapi.py)
+
+# POST path -> backend endpoint; "model" is required on the OpenAI routes, optional on vLLM's /tokenize.
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/embeddings": "embeddings",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+MODEL_OPTIONAL = {"tokenize", "detokenize"}
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@api.middleware("http")
+async def _count_requests(request: Request, call_next):
+    """http_requests_total{handler, method, status} (metrics.py) for every request."""
+    response = await call_next(request)
+    route = request.scope.get("route")
+    count_http(getattr(route, "path", "unmatched"), request.method, response.status_code)
+    return response
+
+
+@api.exception_handler(OpenAIError)
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own parameter validation answers like the routes do: a 400 naming the param, not 422."""
+    where = ("path", "query", "header", "cookie")  # the param is the field itself, not where it came from
+    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p not in where)} for e in exc.errors()]
+    return error_response(error_from_validation(errors))
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("request failed")
+    return error_response(
+        OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, type="internal_error")
+    )
+
+
+class _Remote:
+    """A model served by its own LLMServer deployment, reached through a Serve handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def call(self, endpoint: str, body: dict) -> Any:
+        return await self.handle.handle.remote(endpoint, body)
+
+    def stream(self, endpoint: str, body: dict) -> Any:
+        return self.handle.options(stream=True).handle_stream.remote(endpoint, body)
+
+    async def card(self) -> dict:
+        return await self.handle.card.remote()
+
+    async def metrics(self) -> str:
+        return await self.handle.metrics.remote()
+
+
+class _Local:
+    """A model whose LLMServer lives in this ingress replica (no Serve hop between router and engine)."""
+
+    def __init__(self, server: LLMServer) -> None:
+        self.server = server
+
+    async def call(self, endpoint: str, body: dict) -> Any:
+        return await self.server.handle(endpoint, body)
+
+    def stream(self, endpoint: str, body: dict) -> Any:
+        return self.server.handle_stream(endpoint, body)
+
+    async def card(self) -> dict:
+        return self.server.card()
+
+
+async def _close(gen: Any) -> None:
+    """Stop a response stream early: an in-process async generator, or a Serve streaming response."""
+    if inspect.isasyncgen(gen):
+        await gen.aclose()
+    else:
+        gen.cancel()
+
+
+def _sse(chunk: Any) -> str:
+    """One SSE event: backends yield dicts, OpenAIErrors or (vLLM) preformatted events."""
+    if isinstance(chunk, str):
+        return chunk
+    if isinstance(chunk, OpenAIError):
+        chunk = chunk.body()
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+@serve.ingress(api)
+class LLMRouter:
+    """The OpenAI ingress: auth, model routing and SSE framing.
+
+    `llm_servers` holds, per model, a Serve handle of its LLMServer deployment or an LLMConfig, which
+    this replica then serves itself.
+    """
+
+    async def __init__(self, llm_servers: list, model_ids: list[str], api_key: str | None = None) -> None:  # type: ignore[misc]
+        self.backends: dict[str, Any] = {}
+        for model_id, s in zip(model_ids, llm_servers, strict=True):
+            self.backends[model_id] = (
+                _Local(await LLMServer.create(s)) if isinstance(s, LLMConfig) else _Remote(s)
+            )
+        self.cards = [await b.card() for b in self.backends.values()]
+        self.api_key = api_key
+
+    def _local_servers(self) -> dict[str, LLMServer]:
+        backends = getattr(self, "backends", {})  # absent when __init__ failed (then __del__ still runs)
+        return {m: b.server for m, b in backends.items() if isinstance(b, _Local)}
+
+    def describe(self, model_id: str | None = None) -> dict[str, Any]:
+        """The engine behind a model served in this replica (the only one when `model_id` is None)."""
+        local = self._local_servers()
+        if model_id is None and len(local) == 1:
+            (model_id,) = local
+        if model_id not in local:
+            raise ConfigError(
+                f"model {model_id!r} is not served in this replica; local models: {sorted(local)}"
+            )
+        return local[model_id].describe()
+
+    async def check_health(self) -> None:
+        for server in self._local_servers().values():
+            await server.check_health()
+
+    def __del__(self) -> None:
+        for server in self._local_servers().values():
+            server.shutdown()
+
+    def _authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth:
+            raise OpenAIError(
+                "missing API key: send `Authorization: Bearer <key>`", 401, code="invalid_api_key"
+            )
+        if auth != f"Bearer {self.api_key}":
+            raise OpenAIError("incorrect API key provided", 401, code="invalid_api_key")
+
+    def _backend(self, model: Any, endpoint: str) -> Any:
+        if model is None and endpoint in MODEL_OPTIONAL and len(self.backends) == 1:
+            return next(iter(self.backends.values()))
+        if not isinstance(model, str):
+            raise OpenAIError(
+                f"'model' is required and must be a string, got {model!r}",
+                param="model",
+                code="invalid_value",
+            )
+        if model not in self.backends:
+            raise OpenAIError(
+                f"The model `{model}` does not exist. Available models: {sorted(self.backends)}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return self.backends[model]
+
+    @api.get("/v1/models", **get_docs(ModelList, 401))
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": self.cards}
+
+    @api.get("/v1/models/{model:path}", **get_docs(ModelCard, 401, 404))
+    async def model(self, model: str, request: Request):
+        self._authorize(request)
+        self._backend(model, "models")
+        return next(c for c in self.cards if c["id"] == model)
+
+    @api.post("/v1/completions", **post_docs("/v1/completions"))
+    @api.post("/v1/chat/completions", **post_docs("/v1/chat/completions"))
+    @api.post("/v1/embeddings", **post_docs("/v1/embeddings"))
+    @api.post("/tokenize", **post_docs("/tokenize"))
+    @api.post("/detokenize", **post_docs("/detokenize"))
+    async def post(self, request: Request):
+        self._authorize(request)
+        endpoint = ROUTES[request.scope["route"].path]
+        # size and nesting bounded before parsing; a large body parsed off the event loop
+        body = await read_json(request.stream(), request.headers.get("content-length"))
+        model = body.get("model")
+        backend = self._backend(model, endpoint)
+        try:
+            if body.get("stream") is not True:
+                result = await backend.call(endpoint, body)
+                return error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
+            gen = backend.stream(endpoint, body)
+            first = await gen.__anext__()
+        except RayActorError as e:  # the model's LLMServer replica died (two-deployment layout)
+            return error_response(engine_dead_error(str(model), e))
+        if isinstance(first, OpenAIError):  # refused before the first token: a plain error response
+            await _close(gen)
+            return error_response(first)
+
+        async def sse():
+            try:
+                yield _sse(first)
+                async for chunk in gen:
+                    yield _sse(chunk)
+                    if isinstance(chunk, OpenAIError):
+                        break
+            except RayActorError as e:
+                yield _sse(engine_dead_error(str(model), e))
+            finally:
+                await _close(gen)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @api.get("/health", **get_docs(Health))
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/metrics", response_class=PlainTextResponse, **METRICS_DOCS)
+    async def metrics(self):
+        """Prometheus text format: this replica's metrics and those of each model deployment behind it."""
+        texts = [process_exposition()]
+        texts += [await b.metrics() for b in self.backends.values() if isinstance(b, _Remote)]
+        return PlainTextResponse(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
