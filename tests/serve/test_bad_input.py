@@ -14,7 +14,8 @@ from _bad_requests import BAD_ON_BOTH, MSG, OK_ON_BOTH, TOOL, body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuray.serve.llm.openai.checks import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
+from tpuray.serve.llm.deployments.router import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, json_depth_ok, read_json
+from tpuray.serve.llm.openai.checks import vllm_only
 from tpuray.serve.llm.openai.errors import OpenAIError
 from tpuray.serve.llm.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -184,8 +185,8 @@ _JSON = st.recursive(
 _FIXED = {"model", "n", "max_tokens", "max_completion_tokens", "min_tokens", "best_of", "ignore_eos"}
 
 
-def _fields(cls) -> list[str]:
-    return sorted(set(cls.model_fields) | set(cls.VLLM_ONLY) - _FIXED)
+def _fields(cls, endpoint: str) -> list[str]:
+    return sorted(set(cls.model_fields) | set(vllm_only(endpoint)) - _FIXED)
 
 
 @settings(
@@ -200,8 +201,8 @@ def _fields(cls) -> list[str]:
 )
 def test_fuzzed_fields_never_raise_anything_but_openai_errors(server, endpoint, data):
     names = {
-        "completions": _fields(CompletionRequest),
-        "chat": _fields(ChatCompletionRequest) + ["messages"],
+        "completions": _fields(CompletionRequest, "completions"),
+        "chat": _fields(ChatCompletionRequest, "chat") + ["messages"],
         "tokenize": [
             "prompt",
             "messages",

@@ -15,6 +15,7 @@ import pytest
 from _configs import in_process_server
 from _vllm_fields import CH, VLLM_REFUSED, C
 
+from tpuray.serve.llm.openai.checks import parse_for_embedded, vllm_only
 from tpuray.serve.llm.openai.errors import OpenAIError
 from tpuray.serve.llm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -206,16 +207,16 @@ def test_vllm_only_fields_are_refused_naming_them(server, path, field, value):
 
 
 def test_every_vllm_only_field_is_in_the_refused_table():
-    for cls, path in ((CompletionRequest, C), (ChatCompletionRequest, CH)):
-        assert set(cls.VLLM_ONLY) == {f for p, f, _ in VLLM_REFUSED if p == path}
+    for endpoint, path in (("completions", C), ("chat", CH)):
+        assert set(vllm_only(endpoint)) == {f for p, f, _ in VLLM_REFUSED if p == path}
 
 
 def test_vllm_fields_at_their_defaults_are_accepted_and_unknown_fields_logged(caplog):
     body = {"model": "m", "prompt": "x", "use_beam_search": False, "priority": 0, "bad_words": []}
-    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.openai.protocol"):
-        parse_request(CompletionRequest, body)
+    with caplog.at_level(logging.WARNING, logger="tpuray.serve.llm.openai.checks"):
+        parse_for_embedded("completions", body)
         assert not caplog.records  # vLLM's defaults are what this engine does: nothing ignored
-        parse_request(CompletionRequest, {**body, "frobnicate": 1, "zz_unknown": "x"})
+        parse_for_embedded("completions", {**body, "frobnicate": 1, "zz_unknown": "x"})
     (record,) = caplog.records
     assert record.levelno == logging.WARNING and "['frobnicate', 'zz_unknown']" in record.getMessage()
 
@@ -227,8 +228,11 @@ def test_vllms_request_fields_are_all_honoured_or_refused():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VCompletion
 
-    for ours, theirs in ((CompletionRequest, VCompletion), (ChatCompletionRequest, VChat)):
-        missing = set(theirs.model_fields) - set(ours.model_fields) - set(ours.VLLM_ONLY)
+    for endpoint, ours, theirs in (
+        ("completions", CompletionRequest, VCompletion),
+        ("chat", ChatCompletionRequest, VChat),
+    ):
+        missing = set(theirs.model_fields) - set(ours.model_fields) - set(vllm_only(endpoint))
         assert not missing, f"{theirs.__name__}: {sorted(missing)}"
 
 

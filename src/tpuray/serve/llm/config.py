@@ -3,6 +3,10 @@
 Everything is validated in `__post_init__` (pure Python: no torch, no ray), so a bad topology, an unknown
 accelerator kind or a tensor_parallel_size that does not match the reserved chips fails *before* any
 placement group is reserved. The seed's dicts are accepted as-is.
+
+Nothing in engine_kwargs is dropped silently: a kwarg is one the embedded engine honours
+(EMBEDDED_ENGINE_KWARGS), or accepted with a logged note saying why it does not apply (IGNORED_ENGINE_KWARGS,
+or a generic note for other vLLM options); what vLLM makes of them: engine/vllm/args.py.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpuray.constants import API_KEY_ENV
-from tpuray.serve.llm.engine.embedded.fields import EMBEDDED_ENGINE_KWARGS, IGNORED_ENGINE_KWARGS
 from tpuray.validation import ConfigError, check_choice, check_positive_int
 
 if TYPE_CHECKING:
@@ -25,6 +28,30 @@ logger = logging.getLogger(__name__)
 ENGINES = ("auto", "embedded", "vLLM")
 TASKS = ("generate", "embed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# engine_kwargs the embedded engine uses; anything else is passed to vLLM when vLLM runs the model.
+EMBEDDED_ENGINE_KWARGS = {
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "max_model_len",
+    "max_num_seqs",
+    "dtype",
+    "seed",
+    "task",
+    "async_scheduling",  # launch a greedy step before the previous one is read back (pipeline.py)
+}
+# vLLM options that are harmless to ignore in the embedded engine (a note is logged).
+IGNORED_ENGINE_KWARGS = {
+    "enable_expert_parallel": "the embedded engine serves dense models; there are no experts to shard",
+    "gpu_memory_utilization": "the embedded engine sizes its KV cache from max_num_seqs x max_model_len",
+    "enforce_eager": "the embedded engine always runs eagerly",
+    "trust_remote_code": "only local Llama-style checkpoints are loaded",
+    "enable_prefix_caching": "prefix caching is not implemented in the embedded engine",
+    "enable_chunked_prefill": "prefill runs whole prompts per step",
+    "max_num_batched_tokens": "batches are bounded by max_num_seqs",
+    "distributed_executor_backend": "the embedded engine always uses Ray actors, one per chip",
+    "tokenizer_mode": "the model directory's tokenizer is used",
+}
 
 
 @dataclass

@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from tpuray.serve.llm.backends.base import EngineBackend, warm_up_error
+from tpuray.serve.llm.backends.sampling import sampling_params
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.generation import SamplingParams, TemplateError
-from tpuray.serve.llm.openai.checks import check_body
+from tpuray.serve.llm.openai.checks import check_body, parse_for_embedded
 from tpuray.serve.llm.openai.errors import OpenAIError
 from tpuray.serve.llm.openai.logprobs import LogprobFormatter, TextOffsets
 from tpuray.serve.llm.openai.protocol import (
@@ -29,11 +30,9 @@ from tpuray.serve.llm.openai.protocol import (
     TokenizeRequest,
     new_id,
     now,
-    parse_request,
     template_messages,
     usage,
 )
-from tpuray.serve.llm.params import sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +83,22 @@ class EmbeddedBackend(EngineBackend):
         return self.engine.dead
 
     # -- requests (dicts) -------------------------------------------------------------------------------
-    def _parse(self, cls: Any, body: dict[str, Any]) -> Any:
-        req = parse_request(cls, body)
-        if req.user:  # OpenAI's end-user id, for monitoring: it goes to the log with the request
+    def _parse(self, endpoint: str, body: dict[str, Any]) -> Any:
+        req = parse_for_embedded(endpoint, body)
+        if getattr(req, "user", None):  # OpenAI's end-user id, for monitoring: it goes to the log
             logger.debug("%s request from user %r", self.model_id, req.user)
         return req
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         body = check_body(endpoint, body)
         if endpoint == "completions":
-            return await self.completions(self._parse(CompletionRequest, body))
+            return await self.completions(self._parse(endpoint, body))
         if endpoint == "chat":
-            return await self.chat(self._parse(ChatCompletionRequest, body))
+            return await self.chat(self._parse(endpoint, body))
         if endpoint == "tokenize":
-            return await self.tokenize(parse_request(TokenizeRequest, body))
+            return await self.tokenize(self._parse(endpoint, body))
         if endpoint == "detokenize":
-            return self.detokenize(parse_request(DetokenizeRequest, body))
+            return self.detokenize(self._parse(endpoint, body))
         raise OpenAIError(
             f"model `{self.model_id}` does not support {endpoint}; it serves text generation", param="model"
         )
@@ -107,9 +106,9 @@ class EmbeddedBackend(EngineBackend):
     async def handle_stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         body = check_body(endpoint, body)
         if endpoint == "completions":
-            stream = self.completions_stream(self._parse(CompletionRequest, body))
+            stream = self.completions_stream(self._parse(endpoint, body))
         elif endpoint == "chat":
-            stream = self.chat_stream(self._parse(ChatCompletionRequest, body))
+            stream = self.chat_stream(self._parse(endpoint, body))
         else:
             yield await self.handle(endpoint, body)
             return

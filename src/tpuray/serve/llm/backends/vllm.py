@@ -7,12 +7,10 @@ tool_choice (parser from engine_kwargs), stream_options, /tokenize, /detokenize,
 validation and errors. tpuray keeps auth, routing and the Serve layout; requests arrive as JSON dicts and
 are parsed by vLLM's protocol classes.
 
-Nothing is silently ignored on this path either. vLLM's classes coerce types ("2" -> 2, "yes" -> True)
-and drop some OpenAI fields with only a debug log, so before vLLM parses a request tpuray checks it:
-- the OpenAI fields tpuray's own protocol (openai/protocol.py) defines get tpuray's strict types (`strict_check`); ranges are
-  left to vLLM (its limits differ from the embedded engine's, e.g. temperature above 2);
-- the fields vLLM accepts and never uses (`VLLM_DROPS`) are refused with a 400 naming them;
-- a vLLM error that names no `param` gets the request field its message names.
+Nothing is silently ignored on this path either: before vLLM parses a request, tpuray checks it
+(openai/checks.py, `check_for_vllm`: strict types for the OpenAI fields, whose ranges are vLLM's own, and
+a 400 for each field vLLM would drop); a vLLM error that names no `param` gets the request field its
+message names.
 """
 
 from __future__ import annotations
@@ -21,79 +19,16 @@ import argparse
 import json
 import re
 from collections.abc import AsyncIterator
-from functools import cache
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, create_model
 
 from tpuray.serve.llm.backends.base import EngineBackend, warm_up_error
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
-from tpuray.serve.llm.openai import protocol
-from tpuray.serve.llm.openai.checks import check_body
+from tpuray.serve.llm.openai.checks import check_body, check_for_vllm
 from tpuray.serve.llm.openai.errors import OpenAIError
 from tpuray.serve.llm.openai.protocol import now, parse_request
 
 DONE = "data: [DONE]\n\n"
-
-# OpenAI fields that vLLM 0.29's request classes accept and never use (logged at debug level, dropped).
-VLLM_DROPS: dict[str, dict[str, str]] = {
-    "completions": {"suffix": "vLLM serves no fill-in-the-middle mode"},
-    "chat": {
-        "store": "completions are not stored",
-        "metadata": "it only applies to stored completions (store), which are not kept",
-        "prediction": "vLLM does not implement predicted outputs",
-        "web_search_options": "there is no web search",
-        "functions": "vLLM implements tools, not the deprecated functions: use tools",
-        "function_call": "vLLM implements tool_choice, not the deprecated function_call: use tool_choice",
-        "audio": "vLLM returns text, not audio",
-        "verbosity": "vLLM has no verbosity control",
-    },
-}
-# Values of those fields that ask for nothing (an empty web_search_options, by contrast, turns search on).
-_HARMLESS: dict[str, tuple[Any, ...]] = {"store": (False,), "metadata": ({},), "functions": ([],)}
-# Fields vLLM parses with richer types than tpuray's schema (tool calls in messages, structural tags in
-# response_format, named tool choices): their checks are vLLM's.
-_VLLM_TYPED = {"messages", "tools", "tool_choice", "response_format", "functions", "function_call"}
-_TPURAY_CLASSES: dict[str, type[BaseModel]] = {
-    "completions": protocol.CompletionRequest,
-    "chat": protocol.ChatCompletionRequest,
-}
-
-
-@cache
-def _strict_model(endpoint: str) -> type[BaseModel]:
-    """The OpenAI fields of tpuray's request class for `endpoint`, strict types, no range limits."""
-    cls = _TPURAY_CLASSES[endpoint]
-    fields: Any = {n: (f.annotation, None) for n, f in cls.model_fields.items() if n not in _VLLM_TYPED}
-    return create_model(f"Strict{cls.__name__}", __config__=ConfigDict(strict=True, extra="ignore"), **fields)
-
-
-def strict_check(endpoint: str, body: dict[str, Any]) -> None:
-    """Raise a 400 OpenAIError naming the first field of a completions or chat body that vLLM would
-    coerce (a wrong type) or drop (VLLM_DROPS)."""
-    if endpoint not in _TPURAY_CLASSES:
-        return
-    for name, why in VLLM_DROPS[endpoint].items():
-        if body.get(name) is not None and body[name] not in _HARMLESS.get(name, ()):
-            raise OpenAIError(f"'{name}' is not supported: {why}", param=name)
-    if endpoint == "completions" and body.get("best_of") not in (None, body.get("n", 1)):
-        raise OpenAIError(
-            f"best_of={body['best_of']!r} is not supported: vLLM returns n completions, it does not pick the "
-            f"best of more; valid: best_of == n ({body.get('n', 1)!r})",
-            param="best_of",
-        )
-    if endpoint == "chat":
-        if body.get("modalities") not in (None, ["text"]):
-            raise OpenAIError(
-                f"modalities={body['modalities']!r}: vLLM returns text; valid: ['text']", param="modalities"
-            )
-        if body.get("service_tier") not in (None, "auto", "default"):
-            raise OpenAIError(
-                f"service_tier={body['service_tier']!r}: there is one tier here; valid: 'auto', 'default'",
-                param="service_tier",
-            )
-    parse_request(_strict_model(endpoint), body)
 
 
 def _named_param(message: str, body: dict[str, Any]) -> str | None:
@@ -200,7 +135,7 @@ class VLLMBackend(EngineBackend):
                 f"model `{self.model_id}` does not serve {endpoint}; it serves text generation", param="model"
             )
         body = check_body(endpoint, body)
-        strict_check(endpoint, body)
+        check_for_vllm(endpoint, body)
         try:
             return await method(parse_request(cls, body), None)
         except OpenAIError as e:  # vLLM's pydantic checks: name the field a model-level error talks about

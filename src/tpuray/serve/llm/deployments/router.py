@@ -1,5 +1,6 @@
-"""The OpenAI ingress: `LLMRouter` (FastAPI on Ray Serve) authenticates, reads the JSON body (size and
-nesting bounded before parsing), routes on its `model` and frames SSE, in front of the models'
+"""The OpenAI ingress: `LLMRouter` (FastAPI on Ray Serve) authenticates, reads the JSON body (`read_json`:
+its size, MAX_REQUEST_BYTES, a 413, and its nesting, MAX_JSON_DEPTH, bounded before json.loads could
+recurse that deep; a large body parsed off the event loop), routes on its `model` and frames SSE, in front of the models'
 `LLMServer`s (server.py). Several models: each request goes to its model's LLMServer deployment through
 a Serve handle. One model: the router's replica holds that model's LLMServer in-process, one Serve hop
 fewer per request. The model's backend parses and validates the request with its engine's own
@@ -8,9 +9,11 @@ protocol, so nothing a backend supports is dropped on the way.
 (No `from __future__ import annotations` here: FastAPI must see real types in the routes' signatures.)
 """
 
+import asyncio
 import inspect
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +26,6 @@ from ray.exceptions import RayActorError
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.deployments.server import LLMServer
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
-from tpuray.serve.llm.openai.checks import read_json
 from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error, error_from_validation
 from tpuray.serve.llm.openai.openapi import (
     METRICS_DOCS,
@@ -50,6 +52,72 @@ ROUTES = {
     "/detokenize": "detokenize",
 }
 MODEL_OPTIONAL = {"tokenize", "detokenize"}
+
+
+# -- the body, bounded before it is parsed ---------------------------------------------------------
+
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a request body larger than this is refused unread (413)
+MAX_JSON_DEPTH = 64  # arrays / objects nested deeper are refused before parsing
+OFF_LOOP_BYTES = 64 * 1024  # bodies larger than this are parsed in a worker thread
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but brackets (to delete)
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def too_large(size: int) -> OpenAIError:
+    return OpenAIError(
+        f"the request body is {size} bytes or more; the limit is {MAX_REQUEST_BYTES} bytes",
+        413,
+        code="request_too_large",
+    )
+
+
+def json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text `raw` nests arrays / objects at most `limit` deep, its brackets balanced
+    (brackets inside strings do not count). Regular expressions only: passes in C, none recursive."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return True
+        brackets, removed = _EMPTY_PAIR.subn(b"", brackets)
+        if not removed:
+            return False  # unbalanced (not JSON)
+    return not brackets
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object; OpenAIError 400 for what is not one (or nests too deep)."""
+    if not json_depth_ok(raw):
+        raise OpenAIError(
+            f"request body is not valid JSON or nests arrays / objects deeper than {MAX_JSON_DEPTH} levels",
+            code="invalid_json",
+        )
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    return body
+
+
+async def read_json(chunks: Any, content_length: str | None) -> dict[str, Any]:
+    """The JSON object of a request body streamed as `chunks` (an async iterator of bytes), read only up
+    to MAX_REQUEST_BYTES; a large body is parsed in a worker thread, so other requests keep going."""
+    if content_length is not None and content_length.isdigit() and int(content_length) > MAX_REQUEST_BYTES:
+        raise too_large(int(content_length))
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_REQUEST_BYTES:
+            raise too_large(size)
+        parts.append(chunk)
+    raw = b"".join(parts)
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)
 
 
 def error_response(e: OpenAIError) -> JSONResponse:

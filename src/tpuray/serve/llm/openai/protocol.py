@@ -5,19 +5,14 @@ model card). A parse failure is a 400 naming the field (errors.py).
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tpuray.serve.llm.engine.embedded import fields
-from tpuray.serve.llm.openai.errors import OpenAIError, error_from_validation
-
-logger = logging.getLogger(__name__)
-
+from tpuray.serve.llm.openai.errors import error_from_validation
 
 StopT = str | list[str] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -57,10 +52,8 @@ class ResponseFormat(BaseModel):
 
 class _Request(BaseModel):
     """Fields common to completions and chat. Strict types: a boolean is not "maybe", an integer is not
-    0.5. Fields OpenAI defines that this engine cannot honour are refused (UNSUPPORTED); fields vLLM
-    defines that only vLLM honours are refused with a pointer to llm_engine='vLLM' (VLLM_ONLY); both
-    tables are in engine/embedded/fields.py. Other unknown fields are accepted and logged as ignored, as
-    vLLM does."""
+    0.5. Unknown fields are kept (`model_extra`): what the embedded engine refuses, honours or ignores
+    among them, and among the fields here, is checks.py's FIELDS."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -90,28 +83,6 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     request_id: str | None = None  # vLLM: the response id is cmpl-<request_id> / chatcmpl-<request_id>
 
-    UNSUPPORTED: ClassVar[dict[str, str]] = {}
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.REQUEST_VLLM_ONLY
-
-    @model_validator(mode="after")
-    def _checks(self) -> _Request:
-        for name, why in self.UNSUPPORTED.items():
-            value = getattr(self, name, None)
-            if value is not None and value is not False and value != []:
-                raise OpenAIError(f"'{name}' is not supported by the embedded engine: {why}", param=name)
-        extra = dict(self.model_extra or {})
-        for name, (default, why) in self.VLLM_ONLY.items():
-            if name in extra and extra.pop(name) != default:
-                raise OpenAIError(
-                    f"'{name}' is supported with llm_engine='vLLM', not by the embedded engine: {why}",
-                    param=name,
-                )
-        if self.stream_options is not None and not self.stream:
-            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
-        if extra:
-            logger.warning("The following fields were present in the request but ignored: %s", sorted(extra))
-        return self
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -126,23 +97,6 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt
-
-    UNSUPPORTED: ClassVar[dict[str, str]] = fields.COMPLETION_UNSUPPORTED
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.COMPLETION_VLLM_ONLY
-
-    @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not self.echo:
-            raise OpenAIError(
-                "'max_tokens' must be at least 1 (0, the prompt alone, only with echo)", param="max_tokens"
-            )
-        if self.best_of is not None and self.best_of != self.n:
-            raise OpenAIError(
-                f"best_of={self.best_of} is not supported by the embedded engine (valid: best_of == n, "
-                f"{self.n}); {fields.NOT_IMPLEMENTED}",
-                param="best_of",
-            )
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -160,42 +114,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
-
-
-def check_content_parts(messages: Any) -> None:
-    """A 400 naming the first content part of `messages` (raw JSON) that is not a text part."""
-    for i, m in enumerate(messages if isinstance(messages, list) else []):
-        content = m.get("content") if isinstance(m, dict) else None
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            where = f"messages.{i}.content.{j}"
-            if not isinstance(part, dict):
-                raise OpenAIError(f"'{where}' must be a content part object, got {part!r}", param=where)
-            if part.get("type") != "text":
-                raise OpenAIError(
-                    f"content part type {part.get('type')!r} is not supported by the embedded engine (the "
-                    "served models are text-only); valid: 'text'",
-                    param=f"{where}.type",
-                )
-            if not isinstance(part.get("text"), str):
-                raise OpenAIError(
-                    f"'{where}.text' must be a string, got {part.get('text')!r}", param=f"{where}.text"
-                )
-            extra = sorted(set(part) - {"type", "text"})
-            if extra:
-                raise OpenAIError(
-                    f"'{where}.{extra[0]}' is not a field of a text content part", param=f"{where}.{extra[0]}"
-                )
-
-
-class _ChecksContentParts(BaseModel):
-    """A request with chat `messages`: their content parts are checked first (check_content_parts)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parts(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_content_parts(data.get("messages"))
-        return data
 
 
 class ChatMessage(BaseModel):
@@ -240,7 +158,7 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
-class ChatCompletionRequest(_Request, _ChecksContentParts):
+class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -266,45 +184,6 @@ class ChatCompletionRequest(_Request, _ChecksContentParts):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, str]] = fields.CHAT_UNSUPPORTED
-    VLLM_ONLY: ClassVar[dict[str, tuple[Any, str]]] = fields.CHAT_VLLM_ONLY
-
-    @model_validator(mode="after")
-    def _chat_checks(self) -> ChatCompletionRequest:
-        if self.tools is not None and self.tool_choice != "none":
-            raise OpenAIError(
-                f"tools with tool_choice={self.tool_choice or 'auto'!r} need a tool parser, which the embedded "
-                f"engine does not have (valid: tool_choice 'none': the tools reach the chat template and no "
-                f"call is parsed); {fields.NOT_IMPLEMENTED}",
-                param="tools",
-            )
-        if self.tool_choice not in (None, "none"):
-            raise OpenAIError(
-                f"tool_choice={self.tool_choice!r} is not supported by the embedded engine (valid: 'none'); "
-                f"{fields.NOT_IMPLEMENTED}",
-                param="tool_choice",
-            )
-        if self.modalities not in (None, ["text"]):
-            raise OpenAIError(
-                f"modalities={self.modalities!r}: the served models are text-only; valid: ['text']",
-                param="modalities",
-            )
-        if self.service_tier not in (None, "auto", "default"):
-            raise OpenAIError(
-                f"service_tier={self.service_tier!r}: there is one tier here; valid: 'auto', 'default'",
-                param="service_tier",
-            )
-        if self.max_tokens == 0:
-            raise OpenAIError("'max_tokens' must be at least 1", param="max_tokens")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise OpenAIError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                param="continue_final_message",
-            )
-        return self
-
     @property
     def generation_prompt(self) -> bool:
         """Whether the chat template opens a new assistant turn (vLLM's add_generation_prompt)."""
@@ -326,7 +205,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
 
 
-class TokenizeRequest(_ChecksContentParts):
+class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion prompt or chat messages."""
 
     model_config = ConfigDict(extra="forbid", strict=True)

@@ -2,8 +2,8 @@
 (`worker.EngineWorker`) runs the Llama-style model (`model`) with its KV cache (`kv_cache`) through
 shape-static steps (`runner`, `step_plan`); the scheduler
 (`scheduler`) batches sequences and samples (`sampling`, `logits`, `grammar`); what it takes and gives
-(`SamplingParams`, `SeqOutput`, `PromptEncoder`) is engine-neutral: `tpuray.serve.llm.generation`; `fields` is
-the table of what the engine honours and refuses.
+(`SamplingParams`, `SeqOutput`, `PromptEncoder`) is engine-neutral: `tpuray.serve.llm.generation`; what
+it honours and refuses: `tpuray.serve.llm.openai.checks` (request fields), `config` (engine_kwargs).
 
 The engine's interface, used by the embedded backend (`tpuray.serve.llm.backends.embedded.EmbeddedBackend`):
 `tokenizer`, `max_model_len`, `encode_prompt(prompt)`, `apply_chat_template(messages)`,
