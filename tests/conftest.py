@@ -53,10 +53,10 @@ for _name, _value in QUIET_RAY_ENV.items():
 # peaks meet; every other module is a unit of its own, taken by whichever worker is free.
 HEAVY_MODULES = frozenset(
     {
-        "serve/test_vllm.py",
+        "serve/backends/test_vllm.py",
         "serve/test_ray_serve_llm.py",
         "emulator/test_autoscale.py",
-        "serve/test_engine_proof.py",
+        "serve/backends/test_engine_proof.py",
         "rl/test_vllm_rollout.py",
         "train/test_ray_train.py",
         "train/test_data.py",

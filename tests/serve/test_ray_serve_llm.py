@@ -15,7 +15,9 @@ from tpuray.serve.llm.engine.vllm import vllm_available
 
 pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"),
-    pytest.mark.full("CI: tpuray's own OpenAI app on vLLM over an emulated slice (serve/test_vllm.py)"),
+    pytest.mark.full(
+        "CI: tpuray's own OpenAI app on vLLM over an emulated slice (serve/backends/test_vllm.py)"
+    ),
 ]
 
 

@@ -90,7 +90,7 @@ def test_a_dead_engine_worker_gets_503s_then_a_new_replica(death_app) -> None:
 @pytest.mark.full(
     "CI: a killed engine worker's process (test_a_dead_engine_worker_gets_503s_then_a_new_replica), a "
     "lost host under training (train/test_fault_tolerance.py), a preempted slice under serving "
-    "(serve/test_failover.py)"
+    "(serve/deployments/test_failover.py)"
 )
 def test_a_lost_host_gets_503s_then_a_new_replica_on_the_other_slice(emulated_cluster, death_app) -> None:
     lost: list[Any] = []

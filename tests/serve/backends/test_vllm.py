@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 API_KEY = "vllm-key"
 TP4, TP1 = "tiny-tp4", "tiny-tp1"
 CPU_APP = "tpuray-vllm-cpu"
-FULL = "CI: vLLM TP=4 on the slice, the same tests (this module), the fuzz and a dead engine's 503s on the embedded engine (serve/test_http_fuzz.py, serve/test_engine_death.py)"
+FULL = "CI: vLLM TP=4 on the slice, the same tests (this module), the fuzz and a dead engine's 503s on the embedded engine (serve/openai/test_http_fuzz.py, serve/deployments/test_engine_death.py)"
 PROMPTS = ["Hello world", "Tensor parallelism splits attention heads"]
 ENGINE_KWARGS = {
     "max_model_len": 256,
@@ -501,7 +501,7 @@ def test_deleting_the_app_releases_the_slice(app):
 
 
 @pytest.mark.full(
-    "CI: the same on the embedded engine (serve/test_failover.py::"
+    "CI: the same on the embedded engine (serve/deployments/test_failover.py::"
     "test_request_running_at_the_preemption_deadline_fails_with_a_503_not_a_hang)"
 )
 def test_vllm_request_running_at_the_preemption_deadline_fails_with_a_503(vllm_model_dir):

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.slow  # ~1.5 min: make test-fast skips it, make test (C
 
 AUTO = "tiny-auto"
 FULL = pytest.mark.full(
-    "CI: the same bad and malformed requests to vLLM over HTTP (serve/test_vllm.py::test_vllm_answers_like_"
-    "the_embedded_engine) and to the embedded engine in process (serve/test_bad_input.py), llm_engine "
-    "'auto' serving a head_dim-8 model with the embedded engine (serve/test_engine_proof.py)"
+    "CI: the same bad and malformed requests to vLLM over HTTP (serve/backends/test_vllm.py::test_vllm_answers_like_"
+    "the_embedded_engine) and to the embedded engine in process (serve/openai/test_bad_input.py), llm_engine "
+    "'auto' serving a head_dim-8 model with the embedded engine (serve/backends/test_engine_proof.py)"
 )
 
 
