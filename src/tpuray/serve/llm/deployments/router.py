@@ -41,7 +41,7 @@ from tpuray.validation import ConfigError
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="tpuray OpenAI-compatible API")
-api.openapi = lambda: openapi_document(api)  # type: ignore[method-assign]  # the request models (openapi.py)
+api.openapi = lambda: openapi_document(api)  # type: ignore[method-assign]  # the request models (openai/openapi.py)
 
 # POST path -> backend endpoint; "model" is required on the OpenAI routes, optional on vLLM's /tokenize.
 ROUTES = {

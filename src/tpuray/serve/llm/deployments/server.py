@@ -42,7 +42,7 @@ class LLMServer:
         except BaseException:
             backend.shutdown()
             raise
-        # The slot moves the engine to another slice when this one is preempted (failover.py).
+        # The slot moves the engine to another slice when this one is preempted (deployments/failover.py).
         self.slot = EngineSlot(llm_config, backend, create_backend)
         self.slot.start()
 
