@@ -77,6 +77,28 @@ def _validate_bundle(resources_per_bundle: dict[str, float] | None, topo: SliceT
     return bundle
 
 
+def _check_options(
+    topo: SliceTopology,
+    chips_per_vm: int | None,
+    strategy: str,
+    lifetime: str | None,
+    timeout_s: float | None,
+    head_timeout_s: float | None,
+) -> None:
+    """SlicePlacementGroup's options other than the shape and the bundle, before anything is reserved."""
+    if chips_per_vm is not None and chips_per_vm != topo.chips_per_host:
+        raise ConfigError(
+            f"chips_per_vm={chips_per_vm!r} does not match {topo.pod_type} ({topo.topology}), which has "
+            f"{topo.chips_per_host} chips per host"
+        )
+    check_choice("strategy", strategy, PLACEMENT_STRATEGIES)
+    if lifetime not in (None, "detached"):
+        raise ConfigError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
+    for what, value in (("timeout_s", timeout_s), ("head_reservation_timeout_s", head_timeout_s)):
+        if value is not None and (not is_number(value) or value <= 0):
+            raise ConfigError(f"{what} must be a number > 0 or None (wait forever), got {value!r}")
+
+
 class SlicePlacementGroup:
     """A reservation of `num_slices` whole TPU slices: one placement group, bundles slice-major by worker id."""
 
@@ -102,20 +124,7 @@ class SlicePlacementGroup:
         self._topology = SliceTopology.parse(self._generation.accelerator_type, topology)
         topo = self._topology
         check_positive_int("num_slices", num_slices)
-        if chips_per_vm is not None and chips_per_vm != topo.chips_per_host:
-            raise ConfigError(
-                f"chips_per_vm={chips_per_vm!r} does not match {topo.pod_type} ({topo.topology}), which has "
-                f"{topo.chips_per_host} chips per host"
-            )
-        check_choice("strategy", strategy, PLACEMENT_STRATEGIES)
-        if lifetime not in (None, "detached"):
-            raise ConfigError(f"lifetime={lifetime!r} is not valid; valid: None, 'detached'")
-        for what, value in (
-            ("timeout_s", timeout_s),
-            ("head_reservation_timeout_s", head_reservation_timeout_s),
-        ):
-            if value is not None and (not is_number(value) or value <= 0):
-                raise ConfigError(f"{what} must be a number > 0 or None (wait forever), got {value!r}")
+        _check_options(topo, chips_per_vm, strategy, lifetime, timeout_s, head_reservation_timeout_s)
         self._bundle = _validate_bundle(resources_per_bundle, topo)
         self._bundles_per_host = topo.chips_per_host // int(self._bundle[TPU_RESOURCE])
         self._num_slices = num_slices
