@@ -141,19 +141,10 @@ class LLMConfig:
 
     # -- validation ------------------------------------------------------------------------------------
     def _validate_accelerator(self) -> None:
-        from tpuray.topology import SliceTopology, get_generation
-
+        """accelerator_type, accelerator_config and placement_group_config: a TPU slice's topology and the
+        chips of each worker, or None for CPU."""
+        self._check_accelerator_type()
         acc = self.accelerator_config
-        if self.accelerator_type is not None:
-            if not isinstance(self.accelerator_type, str) or not self.accelerator_type.upper().startswith(
-                "TPU"
-            ):
-                raise ConfigError(
-                    f"accelerator_type={self.accelerator_type!r} is not supported by tpuray.serve.llm; "
-                    "valid: a TPU type such as 'TPU-V6E', 'TPU-V5LITEPOD', 'TPU-V5P', 'TPU-V4', 'TPU-V7X', "
-                    "or None for CPU"
-                )
-            get_generation(self.accelerator_type)  # ValueError names the bad value and the valid ones
         if acc is None:
             if self.accelerator_type is not None:
                 raise ConfigError(
@@ -161,6 +152,26 @@ class LLMConfig:
                     "{'kind': 'tpu', 'topology': '<shape, e.g. 2x2 or 4x4>'}"
                 )
             return
+        self.topology = self._slice_topology(acc)
+        self.chips_per_worker = self._chips_per_worker(self.topology)
+
+    def _check_accelerator_type(self) -> None:
+        if self.accelerator_type is None:
+            return
+        from tpuray.topology import get_generation
+
+        if not isinstance(self.accelerator_type, str) or not self.accelerator_type.upper().startswith("TPU"):
+            raise ConfigError(
+                f"accelerator_type={self.accelerator_type!r} is not supported by tpuray.serve.llm; "
+                "valid: a TPU type such as 'TPU-V6E', 'TPU-V5LITEPOD', 'TPU-V5P', 'TPU-V4', 'TPU-V7X', "
+                "or None for CPU"
+            )
+        get_generation(self.accelerator_type)  # ValueError names the bad value and the valid ones
+
+    def _slice_topology(self, acc: Any) -> SliceTopology:
+        """The slice accelerator_config names (on accelerator_type)."""
+        from tpuray.topology import SliceTopology
+
         if not isinstance(acc, dict):
             raise ConfigError(
                 f"accelerator_config must be a dict like {{'kind': 'tpu', 'topology': '4x4'}}, got {acc!r}"
@@ -175,8 +186,10 @@ class LLMConfig:
             raise ConfigError("accelerator_config kind='tpu' needs accelerator_type, e.g. 'TPU-V6E'")
         if "topology" not in acc:
             raise ConfigError("accelerator_config needs 'topology', e.g. '2x2' or '4x4'")
-        self.topology = SliceTopology.parse(self.accelerator_type, acc["topology"])
+        return SliceTopology.parse(self.accelerator_type, acc["topology"])
 
+    def _chips_per_worker(self, topology: SliceTopology) -> int:
+        """placement_group_config's chips per worker: a share of a host of `topology`."""
         pgc = self.placement_group_config or {"bundle_per_worker": {"TPU": 1}}
         if not isinstance(pgc, dict) or not isinstance(pgc.get("bundle_per_worker", {}), dict):
             raise ConfigError(
@@ -187,15 +200,14 @@ class LLMConfig:
             raise ConfigError(
                 f"unknown placement_group_config keys {sorted(unknown)}; valid: 'bundle_per_worker'"
             )
-        bundle = pgc.get("bundle_per_worker", {"TPU": 1})
-        chips = bundle.get("TPU", 1)
-        shares = self.topology.process_shares()
+        chips = pgc.get("bundle_per_worker", {"TPU": 1}).get("TPU", 1)
+        shares = topology.process_shares()
         if not isinstance(chips, int) or isinstance(chips, bool) or chips not in shares:
             raise ConfigError(
-                f"bundle_per_worker TPU={chips!r} is not valid on a {self.topology.chips_per_host}-chip "
-                f"{self.topology.generation.name} host; valid: {', '.join(map(str, shares))}"
+                f"bundle_per_worker TPU={chips!r} is not valid on a {topology.chips_per_host}-chip "
+                f"{topology.generation.name} host; valid: {', '.join(map(str, shares))}"
             )
-        self.chips_per_worker = chips
+        return chips
 
     def _validate_engine_kwargs(self) -> None:
         kw = self.engine_kwargs

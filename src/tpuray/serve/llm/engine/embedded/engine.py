@@ -66,21 +66,10 @@ class EmbeddedEngine(PromptEncoder):
     ):
         """`runner_options`: extra ModelRunner arguments of an in-process engine (tests and benchmarks:
         compile, compile_backend, static_shapes)."""
-        from transformers import AutoTokenizer
-
         config.check_model_source()
         self.config = config
         path = Path(model_source.resolve(config.model_source))  # here: the tokenizer and config.json
-        tokenizer = config.model_loading_config.tokenizer_source
-        tok_path = model_source.resolve(tokenizer) if tokenizer else str(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        model_cfg = json.loads((path / "config.json").read_text())
-        self.vocab_size = int(model_cfg.get("vocab_size") or len(self.tokenizer))  # the logits' width
-        self.max_model_len = config.engine_kwargs.get("max_model_len") or model_cfg.get(
-            "max_position_embeddings", 2048
-        )
-        self.max_num_seqs = config.engine_kwargs.get("max_num_seqs", 64)
-        kwargs = dict(config.engine_kwargs, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs)
+        self._read_model(path)
         self.scheduler = Scheduler(
             self.tokenizer, _eos_ids(path, self.tokenizer), self.max_num_seqs, self.max_model_len
         )
@@ -94,38 +83,61 @@ class EmbeddedEngine(PromptEncoder):
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
         self.dead: BaseException | None = None  # a worker's death (Ray's error) or end()'s error; kept
-        self.metrics = None
-        if config.log_engine_metrics:
-            from tpuray.serve.llm.metrics import EngineMetrics
-
-            sched = self.scheduler
-            self.metrics = EngineMetrics(config.model_id)
-            self.metrics.bind(
-                lambda: len(sched.running),
-                lambda: len(sched.waiting),
-                lambda: 1.0 - len(sched.free_slots) / self.max_num_seqs,
-            )
+        self.metrics = self._engine_metrics() if config.log_engine_metrics else None
         use_actors = config.topology is not None if use_actors is None else use_actors
-        if use_actors:
-            try:
-                self._start_workers(config.model_source, kwargs, reservation_timeout_s)
-            except BaseException:
-                self.shutdown()
-                raise
-        else:
-            self.runner = ModelRunner(
-                str(path),
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                dtype=kwargs.get("dtype", "auto"),
-                **(runner_options or {}),
-            )
-            self.runner.warmup()  # a no-op unless it compiles (a real TPU)
+        self._start(path, use_actors, reservation_timeout_s, runner_options or {})
         requested = config.engine_kwargs.get("async_scheduling")
         self.async_scheduling: bool = requested is None or bool(requested)
         """engine_kwargs `async_scheduling` (vLLM's name and default: None or True on, False off): launch
         each greedy step before the previous one is read back (pipeline.py); the tokens are the same
         either way (checked on CPU and on a TPU v5e chip: docs/real-tpu.md)."""
+
+    def _read_model(self, path: Path) -> None:
+        """The tokenizer and the limits: vocabulary size, max_model_len, max_num_seqs."""
+        from transformers import AutoTokenizer
+
+        tokenizer = self.config.model_loading_config.tokenizer_source
+        tok_path = model_source.resolve(tokenizer) if tokenizer else str(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        model_cfg = json.loads((path / "config.json").read_text())
+        self.vocab_size = int(model_cfg.get("vocab_size") or len(self.tokenizer))  # the logits' width
+        kwargs = self.config.engine_kwargs
+        self.max_model_len = kwargs.get("max_model_len") or model_cfg.get("max_position_embeddings", 2048)
+        self.max_num_seqs = kwargs.get("max_num_seqs", 64)
+
+    def _engine_metrics(self) -> Any:
+        """The engine's metrics under vLLM's names (metrics.py), bound to the scheduler's queues."""
+        from tpuray.serve.llm.metrics import EngineMetrics
+
+        sched = self.scheduler
+        metrics = EngineMetrics(self.config.model_id)
+        metrics.bind(
+            lambda: len(sched.running),
+            lambda: len(sched.waiting),
+            lambda: 1.0 - len(sched.free_slots) / self.max_num_seqs,
+        )
+        return metrics
+
+    def _start(self, path: Path, use_actors: bool, timeout_s: float, runner_options: dict[str, Any]) -> None:
+        """The model on its workers (one Ray actor per chip share), or in this process."""
+        kwargs = dict(
+            self.config.engine_kwargs, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
+        )
+        if use_actors:
+            try:
+                self._start_workers(self.config.model_source, kwargs, timeout_s)
+            except BaseException:
+                self.shutdown()
+                raise
+            return
+        self.runner = ModelRunner(
+            str(path),
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=kwargs.get("dtype", "auto"),
+            **runner_options,
+        )
+        self.runner.warmup()  # a no-op unless it compiles (a real TPU)
 
     # -- workers ------------------------------------------------------------------------------------------
     def _start_workers(self, source: str, kwargs: dict, timeout_s: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,23 @@ def prefill_mask(positions: torch.Tensor, segments: torch.Tensor) -> torch.Tenso
     return (same & (positions[None, :] <= positions[:, None]))[None, None]
 
 
+def _model_config(path: str | Path) -> dict[str, Any]:
+    """The model's config.json, refused (ValueError naming what is valid) unless the engine runs it."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {cfg.get('model_type')!r} is not supported by the embedded engine; "
+            f"valid: {', '.join(SUPPORTED_MODEL_TYPES)} (install vLLM for other models)"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: 'default'")
+    return cfg
+
+
 class ShardedLlama:
+    layers: list[dict[str, torch.Tensor]]  # this rank's shard of each decoder layer (_load_shard)
+
     def __init__(
         self,
         path: str | Path,
@@ -63,31 +79,8 @@ class ShardedLlama:
         if decode_attention not in ("sdpa", "matmul"):
             raise ValueError(f"decode_attention={decode_attention!r} is not valid; valid: 'sdpa', 'matmul'")
         self.decode_attention = decode_attention
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {cfg.get('model_type')!r} is not supported by the embedded engine; "
-                f"valid: {', '.join(SUPPORTED_MODEL_TYPES)} (install vLLM for other models)"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: 'default'")
-        self.theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        self.num_layers = cfg["num_hidden_layers"]
-        self.heads = cfg["num_attention_heads"]
-        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
-        self.eps = cfg.get("rms_norm_eps", 1e-6)
-        self.vocab_size = cfg["vocab_size"]
-        self.max_position_embeddings = cfg.get("max_position_embeddings", 2048)
-        inter = cfg["intermediate_size"]
-        for name, n in (
-            ("num_attention_heads", self.heads),
-            ("num_key_value_heads", self.kv_heads),
-            ("intermediate_size", inter),
-        ):
-            if n % world_size:
-                raise ValueError(f"tensor_parallel_size={world_size} must divide {name}={n}")
+        cfg = _model_config(path)
+        self._read_dims(cfg, world_size)
         self.rank, self.world_size = rank, world_size
         self.local_heads, self.local_kv_heads = self.heads // world_size, self.kv_heads // world_size
         self.device = torch.device(device)
@@ -97,8 +90,36 @@ class ShardedLlama:
                 torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32
             )
         self.dtype = dtype
+        self._load_shard(load_state_dict(path))
+        for name, t in list(self.__dict__.items()):
+            if isinstance(t, torch.Tensor):
+                setattr(self, name, t.to(self.device))
+        self.layers = [{k: v.to(self.device) for k, v in layer.items()} for layer in self.layers]
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.inv_freq = inv.to(self.device)
 
-        state = load_state_dict(path)
+    def _read_dims(self, cfg: dict[str, Any], world_size: int) -> None:
+        """The model's dimensions from its config.json; each sharded one divides by `world_size`."""
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        self.theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        self.num_layers = cfg["num_hidden_layers"]
+        self.heads = cfg["num_attention_heads"]
+        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
+        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        self.vocab_size = cfg["vocab_size"]
+        self.max_position_embeddings = cfg.get("max_position_embeddings", 2048)
+        for name, n in (
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("intermediate_size", cfg["intermediate_size"]),
+        ):
+            if n % world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} must divide {name}={n}")
+
+    def _load_shard(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's shard of the weights in `state`: q/k/v and gate/up fused, column- or row-parallel."""
+        dtype, rank, world_size = self.dtype, self.rank, self.world_size
 
         def get(name: str) -> torch.Tensor:
             return state[name].to(dtype)
@@ -130,12 +151,6 @@ class ShardedLlama:
             if all(b in state for b in biases):  # qwen2-style attention bias
                 layer["qkv_bias"] = torch.cat([rows(get(b)) for b in biases])
             self.layers.append(layer)
-        for name, t in list(self.__dict__.items()):
-            if isinstance(t, torch.Tensor):
-                setattr(self, name, t.to(self.device))
-        self.layers = [{k: v.to(self.device) for k, v in layer.items()} for layer in self.layers]
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        self.inv_freq = inv.to(self.device)
 
     def new_kv_cache(self, num_slots: int, max_model_len: int) -> KVCache:
         return KVCache(

@@ -201,14 +201,7 @@ class Scheduler:
             tokens = sample_batch(
                 self._processed(seqs, logits), [s.params for s in seqs], [s.generator for s in seqs]
             )
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        records = {}
-        if want and logits is not None:
-            lp = torch.log_softmax(
-                logits[want].float(), dim=-1
-            )  # the raw model distribution (vLLM's default)
-            got = token_logprobs(lp, [tokens[i] for i in want], [seqs[i].params.logprobs or 0 for i in want])
-            records = dict(zip(want, got, strict=True))
+        records = self._token_logprobs(seqs, logits, tokens)
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.finished:  # aborted while the step ran
                 continue
@@ -217,26 +210,38 @@ class Scheduler:
             if seq.params.max_tokens == 0:  # the prompt alone (echo): its prefill ran, nothing is generated
                 self._emit(seq, "length")
                 continue
-            reason = None
-            if token in seq.params.stop_token_ids or (token in self.eos_ids and not seq.params.ignore_eos):
-                reason = "stop"
-                if seq.params.include_stop_str_in_output:  # vLLM: the stop token is part of the output
-                    seq.output_ids.append(token)
-                    if i in records:
-                        seq.logprobs.append(records[i])
-            else:
+            self._emit(seq, self._take(seq, token, records.get(i)))
+
+    @staticmethod
+    def _token_logprobs(
+        seqs: list[Sequence], logits: torch.Tensor | None, tokens: list[int]
+    ) -> dict[int, TokenLogprobs]:
+        """{row: the logprobs record of its sampled token} for the rows that asked for logprobs."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not want or logits is None:
+            return {}
+        lp = torch.log_softmax(logits[want].float(), dim=-1)  # the raw model distribution (vLLM's default)
+        got = token_logprobs(lp, [tokens[i] for i in want], [seqs[i].params.logprobs or 0 for i in want])
+        return dict(zip(want, got, strict=True))
+
+    def _take(self, seq: Sequence, token: int, record: TokenLogprobs | None) -> str | None:
+        """Add the sampled `token` (and its logprobs `record`) to `seq`; why it finishes, or None."""
+        if token in seq.params.stop_token_ids or (token in self.eos_ids and not seq.params.ignore_eos):
+            if seq.params.include_stop_str_in_output:  # vLLM: the stop token is part of the output
                 seq.output_ids.append(token)
-                if i in records:
-                    seq.logprobs.append(records[i])
-                if seq.matcher is not None:
-                    if not grammar_lib.accept(seq.matcher, token):
-                        logger.warning("grammar refused a token it allowed; ending the sequence")
-                        reason = "stop"
-                    elif grammar_lib.finished(seq.matcher):  # complete: only a stop token could follow
-                        reason = "stop"
-                if reason is None and self._ends_by_length(seq, len(seq.output_ids)):
-                    reason = "length"
-            self._emit(seq, reason)
+                if record is not None:
+                    seq.logprobs.append(record)
+            return "stop"
+        seq.output_ids.append(token)
+        if record is not None:
+            seq.logprobs.append(record)
+        if seq.matcher is not None:
+            if not grammar_lib.accept(seq.matcher, token):
+                logger.warning("grammar refused a token it allowed; ending the sequence")
+                return "stop"
+            if grammar_lib.finished(seq.matcher):  # complete: only a stop token could follow
+                return "stop"
+        return "length" if self._ends_by_length(seq, len(seq.output_ids)) else None
 
     def _detokenize(self, seq: Sequence, final: bool) -> str:
         """The output's text so far, decoding only the newest tokens plus the previous step's ones (that
