@@ -128,23 +128,7 @@ def host_specs(
         }
         if worker_id == 0:
             resources[topo.head_resource] = 1.0
-        labels = {
-            SLICE_NAME_LABEL: slice_name,
-            WORKER_ID_LABEL: str(worker_id),
-            TOPOLOGY_LABEL: topo.topology,
-            POD_TYPE_LABEL: topo.pod_type,
-            ACCELERATOR_LABEL: accel,
-            EMULATED_LABEL: "true",
-        }
-        env = {
-            TPU_NAME_ENV: slice_name,
-            TPU_WORKER_ID_ENV: str(worker_id),
-            TPU_WORKER_HOSTNAMES_ENV: hostnames,
-            # GKE sets the pod type here ("v6e-16"); Ray derives accelerator_type and labels from it.
-            TPU_ACCELERATOR_TYPE_ENV: topo.pod_type,
-            TPU_TOPOLOGY_ENV: topo.topology,
-            EMULATION_ENV: "1",
-        }
+        labels, env = _host_identity(topo, slice_name, worker_id, hostnames)
         specs.append(
             HostSpec(
                 slice_name=slice_name,
@@ -157,6 +141,31 @@ def host_specs(
             )
         )
     return specs
+
+
+def _host_identity(
+    topo: SliceTopology, slice_name: str, worker_id: int, hostnames: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The node labels and the environment of one host, as GKE and Ray give a real TPU host."""
+    accel = topo.generation.accelerator_type
+    labels = {
+        SLICE_NAME_LABEL: slice_name,
+        WORKER_ID_LABEL: str(worker_id),
+        TOPOLOGY_LABEL: topo.topology,
+        POD_TYPE_LABEL: topo.pod_type,
+        ACCELERATOR_LABEL: accel,
+        EMULATED_LABEL: "true",
+    }
+    env = {
+        TPU_NAME_ENV: slice_name,
+        TPU_WORKER_ID_ENV: str(worker_id),
+        TPU_WORKER_HOSTNAMES_ENV: hostnames,
+        # GKE sets the pod type here ("v6e-16"); Ray derives accelerator_type and labels from it.
+        TPU_ACCELERATOR_TYPE_ENV: topo.pod_type,
+        TPU_TOPOLOGY_ENV: topo.topology,
+        EMULATION_ENV: "1",
+    }
+    return labels, env
 
 
 def plan_slices(
