@@ -20,6 +20,7 @@ from tpuray import SlicePlacementGroup
 from tpuray.constants import SLICE_DEMAND_ENV
 from tpuray.k8s import AutoscaleConfig, K8sConfig
 from tpuray.slices import SliceReservationTimeout
+from tpuray.slices import demand as demand_module
 from tpuray.slices.demand import slice_demand
 from tpuray.validation import ConfigError
 
@@ -62,6 +63,9 @@ def test_a_pending_4x4_reservation_becomes_one_kuberay_slice(
     autoscaler gets): a head selected by worker id 0 matches no worker group, so nothing starts (the gap
     of docs/autoscaling-k8s.md that Ray's own reservations still have)."""
     monkeypatch.setenv(SLICE_DEMAND_ENV, demand)
+    # As on KubeRay, where Ray's v2 autoscaler runs: a shape the cluster lacks now is demand, not an error
+    # (the emulated cluster here has no autoscaler of its own; tpuray's detection of one is replaced).
+    monkeypatch.setattr(demand_module, "ray_autoscaler_runs", lambda: True)
     cfg = K8sConfig(
         "TPU-V6E", "4x4", num_slices=0, namespace="default", autoscale=AutoscaleConfig(max_slices=2)
     )

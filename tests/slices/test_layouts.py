@@ -12,6 +12,7 @@ from tpuray.constants import SLICE_DEMAND_ENV
 from tpuray.emulator import SliceRequest
 from tpuray.slices import SliceClaim, SliceReservationTimeout, list_slices
 from tpuray.topology import SliceTopology
+from tpuray.validation import ConfigError
 
 
 @pytest.mark.full(
@@ -30,8 +31,10 @@ def test_two_v5e_slices(cluster_manager, pg_leak_check) -> None:
         assert sorted(a.slice_names + b.slice_names) == sorted(s.name for s in cluster.slices)
         with pytest.raises(SliceReservationTimeout, match="v5litepod-4"):
             SlicePlacementGroup(topology="2x2", accelerator_version="v5e", timeout_s=2)
-        with pytest.raises(SliceReservationTimeout, match="v6e-4"):  # no v6e slices here at all
-            SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=1)
+        # no v6e slice here at all, and no autoscaler to bring one: refused at once, naming what there is
+        with pytest.raises(ConfigError, match=r"TPU-V6E 2x2 \(pod type v6e-4\) can never be reserved") as err:
+            SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=None)
+        assert "its TPU slices are 2 x TPU-V5LITEPOD 2x2 (v5litepod-4)" in str(err.value)
     finally:
         a.shutdown()
         b.shutdown()

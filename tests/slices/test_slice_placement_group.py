@@ -11,7 +11,8 @@ import ray
 
 from _util import in_thread, live_placement_groups, new_placement_groups
 from tpuray import SlicePlacementGroup, slice_placement_group
-from tpuray.slices import SliceReservationTimeout, list_slices
+from tpuray.slices import SliceReservationTimeout, list_slices, placement
+from tpuray.validation import ConfigError
 
 
 @ray.remote(num_cpus=0)
@@ -53,14 +54,30 @@ def test_reserve_one_slice(emulated_cluster, pg_leak_check) -> None:
     spg.shutdown()  # idempotent
 
 
-def test_two_reservations_never_share_and_a_third_times_out(emulated_cluster, pg_leak_check) -> None:
+def test_two_reservations_never_share_and_a_third_times_out(
+    emulated_cluster, pg_leak_check, monkeypatch, caplog
+) -> None:
+    """A third 2x2 could come (the cluster has two; both held): it waits, saying what for, then times out.
+    A fourth shape the fixed cluster has none of, or more 2x2s than it has, are refused at once."""
     a = slice_placement_group("2x2", "TPU-V6E", timeout_s=60)
-    b = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60)
+    b = SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=60, name="holder-b")
     try:
         assert set(a.slice_names) | set(b.slice_names) == {s.name for s in emulated_cluster.slices}
         live = len(live_placement_groups())
+        monkeypatch.setattr(placement, "PROGRESS_S", 0.5)
         with pytest.raises(SliceReservationTimeout) as err:
             SlicePlacementGroup(topology="2x2", accelerator_version="v6e", timeout_s=2)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(
+            "waiting for 1 free TPU-V6E 2x2 slice(s) (pod type v6e-4;" in m and "holder-b" in m for m in said
+        )
+        for shape, count in (("4x4", 1), ("2x2", 3)):
+            with pytest.raises(
+                ConfigError, match="can never be reserved here: this Ray cluster has no autoscaler"
+            ):
+                SlicePlacementGroup(
+                    topology=shape, accelerator_version="v6e", num_slices=count, timeout_s=None
+                )
         msg = str(err.value)
         assert "v6e-4" in msg and "2x2" in msg and "released" in msg
         assert all(s.name in msg for s in emulated_cluster.slices)  # names what exists

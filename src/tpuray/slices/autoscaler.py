@@ -96,3 +96,23 @@ def published_node_types(gcs_address: str | None = None) -> list[SliceNodeType] 
 def published_slices(gcs_address: str | None = None) -> dict[str, AutoscaledSlice]:
     """The slices the cluster's autoscaler runs now, by name ({} when none, or no autoscaler)."""
     return _kv_get(SLICES_KEY, gcs_address) or {}
+
+
+def ray_autoscaler_runs() -> bool:
+    """Whether Ray's own autoscaler can add nodes to this cluster (requires ray.init()): its v2 (KubeRay's
+    in-tree autoscaler: the v2 flag in the GCS), or its v1 monitor with a node provider. A cluster of nodes
+    started by hand runs the v1 monitor read-only, which names each node's type after the node itself
+    (`node_<id>`): no type there can bring a new node."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        if is_autoscaler_v2(fetch_from_server=True):
+            return True
+    except Exception:  # noqa: BLE001 - no answer from the GCS: read the v1 monitor's report below
+        pass
+    raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    report = (json.loads(raw) if raw else {}).get("autoscaler_report") or {}
+    mapping: dict[str, str] = report.get("node_type_mapping") or {}
+    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())

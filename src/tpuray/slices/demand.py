@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, cast
 
 from tpuray.constants import POD_TYPE_LABEL, SLICE_DEMAND_ENV, SLICE_NAME_LABEL, WORKER_ID_LABEL
-from tpuray.slices.autoscaler import published_node_types, published_slices
-from tpuray.slices.inventory import SliceInfo, list_slices
+from tpuray.slices.autoscaler import published_node_types, published_slices, ray_autoscaler_runs
+from tpuray.slices.inventory import SliceInfo, known_slices, list_slices
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, check_choice
 
@@ -57,24 +59,48 @@ def slice_demand() -> SliceDemand:
 
 
 def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> list[SliceInfo]:
-    """Where a slice autoscaler runs (autoscaler.py), refuse at once a reservation of `num_slices` slices
-    of `topo` that can never be placed: more than the slices of that pod type started by hand plus the
-    autoscaler's maximum for it. The ConfigError names the shape and the node types. Elsewhere nothing is
-    checked. Returns the slices of that pod type alive now (requires ray.init())."""
+    """Refuse at once a reservation of `num_slices` slices of `topo` that can never be placed, with a
+    ConfigError naming the shape and what the cluster has (requires ray.init()):
+    - where a slice autoscaler publishes its node types (autoscaler.py): more than the slices of that
+      pod type started by hand plus the autoscaler's maximum for it;
+    - on a fixed cluster (no autoscaler at all): more than the slices of that pod type it has.
+    Where Ray's own autoscaler runs (KubeRay), its node types decide: nothing is refused here and the
+    reservation waits. Returns the slices of that pod type alive now."""
     same = [s for s in list_slices() if s.pod_type == topo.pod_type]
     types = published_node_types()
-    if types is None:
+    shape = f"{num_slices} x {topo.generation.accelerator_type} {topo.topology} (pod type {topo.pod_type})"
+    if types is not None:
+        autoscaled = published_slices()
+        fixed = sum(1 for s in same if s.name not in autoscaled)
+        if num_slices <= fixed + sum(t.max_slices for t in types if t.pod_type == topo.pod_type):
+            return same
+        raise ConfigError(
+            f"{shape} can never be reserved here: this autoscaling emulated cluster has {fixed} such slice(s) "
+            f"started by hand and its autoscaler's node types are: {', '.join(t.describe() for t in types)}. "
+            "Ask for one of those shapes, or start the cluster with --max-slices for this one"
+        )
+    if num_slices <= len(same):
         return same
-    autoscaled = published_slices()
-    fixed = sum(1 for s in same if s.name not in autoscaled)
-    if num_slices <= fixed + sum(t.max_slices for t in types if t.pod_type == topo.pod_type):
+    import ray
+
+    known = known_slices(ray.nodes())  # a slice whose hosts are all lost now may be brought back
+    if num_slices <= sum(1 for *_, pod_type in known.values() if pod_type == topo.pod_type):
         return same
-    shape = f"{topo.generation.accelerator_type} {topo.topology}"
+    if ray_autoscaler_runs():
+        return same
     raise ConfigError(
-        f"{num_slices} x {shape} (pod type {topo.pod_type}) can never be reserved here: this autoscaling "
-        f"emulated cluster has {fixed} such slice(s) started by hand and its autoscaler's node types are: "
-        f"{', '.join(t.describe() for t in types)}. Ask for one of those shapes, or start the cluster with "
-        "--max-slices for this one"
+        f"{shape} can never be reserved here: this Ray cluster has no autoscaler, and its TPU slices are "
+        f"{describe_shapes(known.values())}. Ask for a shape it has, or add slices of this one (on an "
+        f"emulated cluster: tpuray emulate up -a {topo.generation.accelerator_type} -t {topo.topology})"
+    )
+
+
+def describe_shapes(shapes: Iterable[tuple[str, str, str]]) -> str:
+    """Slices counted by shape, from (accelerator type, topology, pod type) each: "2 x TPU-V6E 2x2
+    (v6e-4), 1 x TPU-V5P 2x2x2 (v5p-16)", or "none"."""
+    counts = Counter(shapes)
+    return (
+        ", ".join(f"{n} x {acc} {topo} ({pod})" for (acc, topo, pod), n in sorted(counts.items())) or "none"
     )
 
 

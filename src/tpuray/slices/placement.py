@@ -48,6 +48,7 @@ SETTLE_S = (
     2.0  # how long bundles may wait on a slice whose chips others hold before the reservation looks again
 )
 RETRY_PAUSE_S = 0.2
+PROGRESS_S = 15.0  # while it waits for slice heads, a reservation says so this often
 
 
 class SliceReservationTimeout(TimeoutError):
@@ -249,7 +250,7 @@ class SlicePlacementGroup:
         head_wait = self._remaining(start)
         if self._head_timeout_s is not None:
             head_wait = min(self._head_timeout_s, head_wait if head_wait is not None else math.inf)
-        ready, _ = ray.wait([heads.ready()], timeout=head_wait)
+        ready = self._wait_heads(heads, head_wait)
         if not ready:
             bound = ""
             if self._head_timeout_s is not None and head_wait == self._head_timeout_s:
@@ -260,6 +261,29 @@ class SlicePlacementGroup:
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         self._slice_names = [(nodes[n].get("Labels") or {})[SLICE_NAME_LABEL] for n in head_nodes]
         return request.idle, [nodes[n].get("Resources") or {} for n in head_nodes]
+
+    def _wait_heads(self, heads: Any, timeout_s: float | None) -> bool:
+        """Wait for the heads, saying every PROGRESS_S what the reservation waits for (the slices of its
+        shape and who holds them); False when `timeout_s` passes first."""
+        import ray
+
+        start = time.monotonic()
+        while True:
+            left = None if timeout_s is None else timeout_s - (time.monotonic() - start)
+            wait = PROGRESS_S if left is None else max(0.0, min(PROGRESS_S, left))
+            ready, _ = ray.wait([heads.ready()], timeout=wait)
+            if ready or (left is not None and left <= wait):
+                return bool(ready)
+            logger.warning("%s (%.0f s so far)", self._waiting_for(), time.monotonic() - start)
+
+    def _waiting_for(self) -> str:
+        topo = self._topology
+        same = [s for s in list_slices() if s.pod_type == topo.pod_type]
+        held = "; ".join(f"{s.name} held by {', '.join(s.holders) or 'others'}" for s in same) or "none up"
+        return (
+            f"waiting for {self._num_slices} free {topo.generation.accelerator_type} {topo.topology} slice(s) "
+            f"(pod type {topo.pod_type}; the cluster's: {held})"
+        )
 
     def _host_bundles(
         self, head_resources: list[dict[str, float]]
