@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = [
-    "topology", "slices", "collectives", "device", "train", "checkpoint", "serve", "serve_vs_ray", "sampling", "preemption", "serve_recovery", "rl", "autoscale", "idle_cluster",
+    "topology", "bookkeeping", "slices", "collectives", "device", "train", "checkpoint", "serve", "serve_vs_ray", "sampling", "preemption", "serve_recovery", "rl", "autoscale", "idle_cluster",
 ]  # fmt: skip
 
 

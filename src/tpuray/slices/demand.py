@@ -24,12 +24,17 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
 
 from tpuray.constants import POD_TYPE_LABEL, SLICE_DEMAND_ENV, SLICE_NAME_LABEL, WORKER_ID_LABEL
-from tpuray.slices.autoscaler import published_node_types, published_slices, ray_autoscaler_runs
+from tpuray.slices.autoscaler import (
+    SliceNodeType,
+    published_node_types,
+    published_slices,
+    ray_autoscaler_runs,
+)
 from tpuray.slices.inventory import SliceInfo, known_slices, list_slices
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, check_choice
@@ -63,35 +68,62 @@ def check_slices_can_be_reserved(topo: SliceTopology, num_slices: int = 1) -> li
     ConfigError naming the shape and what the cluster has (requires ray.init()):
     - where a slice autoscaler publishes its node types (autoscaler.py): more than the slices of that
       pod type started by hand plus the autoscaler's maximum for it;
-    - on a fixed cluster (no autoscaler at all): more than the slices of that pod type it has.
+    - on a fixed cluster (no autoscaler at all): more than the slices of that pod type it has had.
     Where Ray's own autoscaler runs (KubeRay), its node types decide: nothing is refused here and the
     reservation waits. Returns the slices of that pod type alive now."""
     same = [s for s in list_slices() if s.pod_type == topo.pod_type]
     types = published_node_types()
-    shape = f"{num_slices} x {topo.generation.accelerator_type} {topo.topology} (pod type {topo.pod_type})"
     if types is not None:
-        autoscaled = published_slices()
-        fixed = sum(1 for s in same if s.name not in autoscaled)
-        if num_slices <= fixed + sum(t.max_slices for t in types if t.pod_type == topo.pod_type):
-            return same
-        raise ConfigError(
-            f"{shape} can never be reserved here: this autoscaling emulated cluster has {fixed} such slice(s) "
-            f"started by hand and its autoscaler's node types are: {', '.join(t.describe() for t in types)}. "
-            "Ask for one of those shapes, or start the cluster with --max-slices for this one"
-        )
-    if num_slices <= len(same):
-        return same
-    import ray
+        problem = autoscaled_problem(topo, num_slices, same, types, published_slices())
+    elif num_slices <= len(same):
+        problem = None
+    else:
+        import ray
 
-    known = known_slices(ray.nodes())  # a slice whose hosts are all lost now may be brought back
+        problem = fixed_cluster_problem(topo, num_slices, known_slices(ray.nodes()))
+        if problem is not None and ray_autoscaler_runs():
+            problem = None
+    if problem is not None:
+        raise ConfigError(problem)
+    return same
+
+
+def _shape(topo: SliceTopology, num_slices: int) -> str:
+    return f"{num_slices} x {topo.generation.accelerator_type} {topo.topology} (pod type {topo.pod_type})"
+
+
+def autoscaled_problem(
+    topo: SliceTopology,
+    num_slices: int,
+    same: list[SliceInfo],
+    types: list[SliceNodeType],
+    autoscaled: Mapping[str, object],
+) -> str | None:
+    """Why `num_slices` of `topo` can never come on a cluster whose slice autoscaler offers `types`
+    (`same`: the slices of that pod type alive now; `autoscaled`: those the autoscaler runs), or None."""
+    fixed = sum(1 for s in same if s.name not in autoscaled)
+    if num_slices <= fixed + sum(t.max_slices for t in types if t.pod_type == topo.pod_type):
+        return None
+    return (
+        f"{_shape(topo, num_slices)} can never be reserved here: this autoscaling emulated cluster has {fixed} "
+        f"such slice(s) started by hand and its autoscaler's node types are: "
+        f"{', '.join(t.describe() for t in types)}. Ask for one of those shapes, or start the cluster with "
+        "--max-slices for this one"
+    )
+
+
+def fixed_cluster_problem(
+    topo: SliceTopology, num_slices: int, known: Mapping[str, tuple[str, str, str]]
+) -> str | None:
+    """Why `num_slices` of `topo` can never come on a cluster with no autoscaler whose slices (alive or
+    not: a lost host may be brought back) are `known` (`known_slices`), or None."""
     if num_slices <= sum(1 for *_, pod_type in known.values() if pod_type == topo.pod_type):
-        return same
-    if ray_autoscaler_runs():
-        return same
-    raise ConfigError(
-        f"{shape} can never be reserved here: this Ray cluster has no autoscaler, and its TPU slices are "
-        f"{describe_shapes(known.values())}. Ask for a shape it has, or add slices of this one (on an "
-        f"emulated cluster: tpuray emulate up -a {topo.generation.accelerator_type} -t {topo.topology})"
+        return None
+    acc = topo.generation.accelerator_type
+    return (
+        f"{_shape(topo, num_slices)} can never be reserved here: this Ray cluster has no autoscaler, and its "
+        f"TPU slices are {describe_shapes(known.values())}. Ask for a shape it has, or add slices of this one "
+        f"(on an emulated cluster: tpuray emulate up -a {acc} -t {topo.topology})"
     )
 
 

@@ -197,14 +197,17 @@ def format_slices(slices: list[SliceInfo]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def pending_slice_demand() -> dict[str, int]:
+def pending_slice_demand(pg_table: dict[str, dict[str, Any]] | None = None) -> dict[str, int]:
     """Slices asked for but not placed yet: pending (or rescheduling) placement groups that hold a slice
     head bundle ({"TPU-<pod type>-head": 1}, what Ray's and tpuray's SlicePlacementGroup reserve first),
-    counted by pod type ({"v6e-16": 2}). This is the demand Ray's autoscaler turns into slices."""
-    import ray
+    counted by pod type ({"v6e-16": 2}). This is the demand Ray's autoscaler turns into slices.
+    `pg_table`: `ray.util.placement_group_table()` (read from the connected cluster when None)."""
+    if pg_table is None:
+        import ray
 
+        pg_table = ray.util.placement_group_table()
     demand: dict[str, int] = {}
-    for pg in ray.util.placement_group_table().values():
+    for pg in pg_table.values():
         if pg.get("state") not in ("PENDING", "RESCHEDULING"):
             continue
         for bundle in pg.get("bundles", {}).values():
