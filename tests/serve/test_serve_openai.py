@@ -536,3 +536,15 @@ def test_tpuray_status_names_the_holders_and_the_apps(single, server):
     assert len(rows) == 2 and all(" busy " in r for r in rows), out.stdout  # one slice per app
     assert f"tpuray-llm: RUNNING, {server}/v1 (OpenAI)" in out.stdout
     assert f"tpuray-single: RUNNING, {single}/v1 (OpenAI)" in out.stdout
+
+
+def test_the_openapi_document_offers_the_served_models(server, single):
+    """Schema-driven tools (schemathesis) send what /openapi.json offers: the served model ids as the
+    `model` field's values, and realistic prompts, so that their requests reach the handlers."""
+    for url, served in ((server, ["tiny", EMBED_ID]), (single, ["tiny"])):
+        schemas = httpx.get(f"{url}/openapi.json", timeout=60).json()["components"]["schemas"]
+        model = schemas["CompletionRequest"]["properties"]["model"]
+        assert model["enum"] == served and model["examples"] == served[:1]
+        assert schemas["TokenizeRequest"]["properties"]["model"]["anyOf"][0]["enum"] == served
+        assert schemas["ChatCompletionRequest"]["properties"]["messages"]["examples"][0][0]["role"] == "user"
+        assert schemas["CompletionRequest"]["properties"]["prompt"]["examples"] == ["Hello, my name is"]

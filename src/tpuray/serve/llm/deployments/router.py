@@ -223,6 +223,9 @@ class LLMRouter:
             )
         self.cards = [await b.card() for b in self.backends.values()]
         self.api_key = api_key
+        # /openapi.json names the served models (the app object is this replica's alone)
+        api.openapi_schema = None
+        api.openapi = lambda: openapi_document(api, list(self.backends))  # type: ignore[method-assign]
 
     def _local_servers(self) -> dict[str, LLMServer]:
         backends = getattr(self, "backends", {})  # absent when __init__ failed (then __del__ still runs)

@@ -168,8 +168,19 @@ METRICS_DOCS: dict[str, Any] = {
 }
 
 
-def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document with each POST route's request body: its protocol model, required JSON."""
+# Realistic values for the request fields a schema-driven client must fill (schemathesis, Swagger UI).
+EXAMPLES: dict[str, list[Any]] = {
+    "prompt": ["Hello, my name is"],
+    "messages": [[{"role": "user", "content": "Say hello in one sentence."}]],
+    "input": ["The quick brown fox jumps over the lazy dog."],
+    "tokens": [[9906, 11, 1917]],
+}
+
+
+def openapi_document(app: FastAPI, model_ids: list[str] | None = None) -> dict[str, Any]:
+    """FastAPI's document with each POST route's request body: its protocol model, required JSON. With
+    the served `model_ids`, a request's `model` is one of them (an enum, so that schema-driven tools send
+    served models) and its prompt fields carry realistic examples."""
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -177,7 +188,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     for path, (request, _, _) in POST_ROUTES.items():
         schema = request.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
-        schemas[request.__name__] = schema
+        schemas[request.__name__] = _with_examples(schema, model_ids)
         op = doc["paths"][path]["post"]
         op["requestBody"] = {
             "required": True,
@@ -197,3 +208,20 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     schemas.setdefault("ErrorResponse", error)
     app.openapi_schema = doc
     return doc
+
+
+def _with_examples(schema: dict[str, Any], model_ids: list[str] | None) -> dict[str, Any]:
+    """A request schema with the served models as `model`'s values and EXAMPLES on its fields."""
+    props = schema.get("properties", {})
+    for name, examples in EXAMPLES.items():
+        if name in props:
+            props[name]["examples"] = examples
+    if model_ids and "model" in props:
+        served = {"type": "string", "enum": list(model_ids), "examples": [model_ids[0]]}
+        optional = "anyOf" in props["model"]  # /tokenize, /detokenize: the only model when left out
+        props["model"] = {
+            **({"anyOf": [served, {"type": "null"}], "default": None} if optional else served),
+            "title": "Model",
+            "description": "a served model's id (GET /v1/models)",
+        }
+    return schema
