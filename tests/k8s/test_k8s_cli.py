@@ -49,7 +49,7 @@ def test_cli_kinds_and_output_file(tmp_path, capsys):
     [
         (["-a", "TPU-V6E", "-t", "4x5"], "4x5"),
         (["-a", "TPU-V9", "-t", "4x4"], "TPU-V9"),
-        (["-a", "TPU-V6E", "-t", "4x4", "--num-slices", "0"], "num_slices"),
+        (["-a", "TPU-V6E", "-t", "4x4", "--num-slices", "0"], "--num-slices=0"),
         (["-a", "TPU-V6E", "-t", "4x4", "--kind", "rayjob"], "entrypoint"),
         (["-a", "TPU-V6E", "-t", "4x4", "--kind", "job"], "job"),
         (["-a", "TPU-V6E", "-t", "4x4", "--worker-memory", "lots"], "lots"),
@@ -61,12 +61,12 @@ def test_cli_kinds_and_output_file(tmp_path, capsys):
             ["-a", "TPU-V6E", "-t", "4x4", "--max-slices", "2", "--idle-timeout-s", "9"],
             "--max-slices, --idle-timeout-s need --autoscale",
         ),
-        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--max-slices", "0"], "max_slices=0"),
+        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--max-slices", "0"], "--max-slices=0"),
         (
             ["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--min-slices", "3", "--max-slices", "2"],
-            "min_slices=3",
+            "--min-slices=3",
         ),
-        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--num-slices", "2"], "num_slices=2"),
+        (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--num-slices", "2"], "--num-slices=2"),
         (["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--upscaling-mode", "fast"], "'fast'"),
         (
             ["-a", "TPU-V6E", "-t", "4x4", "--autoscale", "--autoscaler-version", "v1"],

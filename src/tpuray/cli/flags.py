@@ -60,11 +60,14 @@ def add_state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def name_flags(message: str, parser: argparse.ArgumentParser) -> str:
-    """`message` with each `param=` that a flag of `parser` sets written as that flag (`--flag=`)."""
+    """`message` with each `param=` (or `param >= `, `param < `...) that a flag of `parser` sets written
+    as that flag (`--flag=`)."""
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
         if longs and action.dest != "help":
-            message = re.sub(rf"(?<![\w\-\[']){re.escape(action.dest)}=", f"{longs[0]}=", message)
+            message = re.sub(
+                rf"(?<![\w\-\[']){re.escape(action.dest)}(=| [<>]=? )", rf"{longs[0]}\1", message
+            )
     return message
 
 
