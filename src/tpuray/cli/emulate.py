@@ -49,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and `serve status` need it)",
     )
     add_state_dir(p)
+    _add_autoscale_group(p)
+    _add_preempt_group(p)
+    p.set_defaults(func=run)
+
+
+def _add_autoscale_group(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group(
         "autoscale (up)",
         "slices on demand: Ray's own autoscaler starts a whole emulated slice (every host, or none) for each "
@@ -72,6 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="stop a slice once all its hosts have been idle this long (default 60)",
     )
+
+
+def _add_preempt_group(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "preempt",
         "drain the hosts through Ray's drain API (reason PREEMPTION, with a deadline), as GKE's notice of a "
@@ -86,63 +95,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="bring a replacement host back this long after the kill, as a node pool would (default: never)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    return {"up": _up, "preempt": _preempt, "down": _down, "status": _status}[args.action](args)
+
+
+def _up(args: argparse.Namespace) -> int:
     from tpuray.emulator import detached
 
-    if args.action == "up":
-        autoscale = _autoscale_args(args)
-        try:
-            state = detached.up(
-                args.accelerator_type,
-                args.topology,
-                args.num_slices,
-                head_cpus=args.head_cpus,
-                cpus_per_chip=args.cpus_per_chip,
-                path=args.state_dir,
-                autoscale=autoscale,
-                cores=args.cores,
-                dashboard=args.dashboard,
-            )
-        except RuntimeError as e:
-            print(f"tpuray emulate up: {e}")
-            return 1
-        print(f"EMULATED TPU cluster up: {state['description']}")
-        _print_state(state)
-        print(f"connect with: ray.init(address={state['address']!r})   or   RAY_ADDRESS={state['address']}")
-        return 0
-    if args.action == "preempt":
-        if (args.slice_name is None) == (args.node_id is None):
-            raise UsageError("tpuray emulate preempt needs --slice NAME or --node-id ID (one of them)")
-        if args.notice_s < 0 or (args.restore_after_s is not None and args.restore_after_s < 0):
-            raise UsageError("--notice-s and --restore-after-s must be >= 0")
-        try:
-            answer = detached.preempt(
-                args.slice_name, args.node_id, args.notice_s, args.restore_after_s, path=args.state_dir
-            )
-        except (RuntimeError, TimeoutError) as e:
-            print(f"tpuray emulate preempt: {e}")
-            return 1
-        target = f"slice {args.slice_name}" if args.slice_name else f"host {args.node_id}"
-        back = (
-            f"; a replacement comes back {args.restore_after_s:g}s after"
-            if args.restore_after_s is not None
-            else ""
+    autoscale = _autoscale_args(args)
+    try:
+        state = detached.up(
+            args.accelerator_type,
+            args.topology,
+            args.num_slices,
+            head_cpus=args.head_cpus,
+            cpus_per_chip=args.cpus_per_chip,
+            path=args.state_dir,
+            autoscale=autoscale,
+            cores=args.cores,
+            dashboard=args.dashboard,
         )
-        print(
-            f"EMULATED preemption of {target}: {len(answer['node_ids'])} host(s) draining now, killed in "
-            f"{answer['deadline'] - time.time():.0f}s{back}"
+    except RuntimeError as e:
+        print(f"tpuray emulate up: {e}")
+        return 1
+    print(f"EMULATED TPU cluster up: {state['description']}")
+    _print_state(state)
+    print(f"connect with: ray.init(address={state['address']!r})   or   RAY_ADDRESS={state['address']}")
+    return 0
+
+
+def _preempt(args: argparse.Namespace) -> int:
+    from tpuray.emulator import detached
+
+    if (args.slice_name is None) == (args.node_id is None):
+        raise UsageError("tpuray emulate preempt needs --slice NAME or --node-id ID (one of them)")
+    if args.notice_s < 0 or (args.restore_after_s is not None and args.restore_after_s < 0):
+        raise UsageError("--notice-s and --restore-after-s must be >= 0")
+    try:
+        answer = detached.preempt(
+            args.slice_name, args.node_id, args.notice_s, args.restore_after_s, path=args.state_dir
         )
+    except (RuntimeError, TimeoutError) as e:
+        print(f"tpuray emulate preempt: {e}")
+        return 1
+    target = f"slice {args.slice_name}" if args.slice_name else f"host {args.node_id}"
+    back = (
+        f"; a replacement comes back {args.restore_after_s:g}s after"
+        if args.restore_after_s is not None
+        else ""
+    )
+    print(
+        f"EMULATED preemption of {target}: {len(answer['node_ids'])} host(s) draining now, killed in "
+        f"{answer['deadline'] - time.time():.0f}s{back}"
+    )
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from tpuray.emulator import detached
+
+    stopped = detached.down(args.state_dir)
+    if stopped is None:
+        print("no emulated TPU cluster is running")
         return 0
-    if args.action == "down":
-        stopped = detached.down(args.state_dir)
-        if stopped is None:
-            print("no emulated TPU cluster is running")
-            return 0
-        print(f"EMULATED TPU cluster at {stopped['address']} stopped")
-        return 0
+    print(f"EMULATED TPU cluster at {stopped['address']} stopped")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tpuray.emulator import detached
+
     current = detached.read_state(args.state_dir)
     if current is None:
         print("no emulated TPU cluster is running (start one with `tpuray emulate up`)")

@@ -62,6 +62,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-memory", default="16Gi", help="head pod memory (default 16Gi)")
     p.add_argument("--worker-cpu", default="8", help="CPU per TPU host pod (default 8)")
     p.add_argument("--worker-memory", default="32Gi", help="memory per TPU host pod (default 32Gi)")
+    _add_job_args(p)
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="also check against KubeRay's CRD schemas (folder in $TPURAY_KUBERAY_CRDS; see docs/k8s.md)",
+    )
+    _add_capacity_args(p)
+    _add_autoscale_args(p)
+    p.add_argument("--output", "-o", metavar="FILE", default=None, help="write to FILE instead of stdout")
+    p.set_defaults(func=run)
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """What a RayJob runs and a RayService serves."""
     p.add_argument("--entrypoint", default=None, help="rayjob: command the job runs")
     p.add_argument(
         "--pip", action="append", default=[], metavar="PKG", help="rayjob/rayservice: runtime_env pip package"
@@ -77,11 +91,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="rayservice: YAML with a Ray Serve config (applications) or build_openai_app args (llm_configs)",
     )
-    p.add_argument(
-        "--validate",
-        action="store_true",
-        help="also check against KubeRay's CRD schemas (folder in $TPURAY_KUBERAY_CRDS; see docs/k8s.md)",
-    )
+
+
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    """Which GKE capacity the TPU hosts run on."""
     capacity = p.add_mutually_exclusive_group()
     capacity.add_argument(
         "--spot",
@@ -95,9 +108,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="TPU hosts on the GKE reservation NAME (cloud.google.com/reservation-name, affinity specific)",
     )
-    _add_autoscale_args(p)
-    p.add_argument("--output", "-o", metavar="FILE", default=None, help="write to FILE instead of stdout")
-    p.set_defaults(func=run)
 
 
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:

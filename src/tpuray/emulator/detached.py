@@ -92,10 +92,7 @@ def up(
     cmd = [sys.executable, "-m", "tpuray.emulator.detached", "--state-dir", str(directory)]
     cmd += ["--accelerator-type", accelerator_type, "--topology", topology, "--num-slices", str(num_slices)]
     cmd += ["--head-cpus", str(head_cpus), "--cpus-per-chip", str(cpus_per_chip), "--cores", cores]
-    cmd += ["--dashboard"] if dashboard else []
-    if autoscale is not None:
-        cmd += ["--idle-timeout-s", str(autoscale["idle_timeout_s"])]
-        cmd += [f"--max-slices={item}" for item in autoscale["max_slices"]]
+    cmd += _optional_args(autoscale, dashboard)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -113,6 +110,15 @@ def up(
         time.sleep(0.5)
     proc.terminate()
     raise TimeoutError(f"emulated cluster not ready after {timeout_s}s; log: {log}")
+
+
+def _optional_args(autoscale: dict[str, Any] | None, dashboard: bool) -> list[str]:
+    """The detached process's flags for the dashboard and autoscaling."""
+    args = ["--dashboard"] if dashboard else []
+    if autoscale is not None:
+        args += ["--idle-timeout-s", str(autoscale["idle_timeout_s"])]
+        args += [f"--max-slices={item}" for item in autoscale["max_slices"]]
+    return args
 
 
 def _planned(

@@ -69,27 +69,11 @@ def _build_shared(
     slicebuilder_port_base: int,
 ) -> _Shared:
     share: Coords = topo.share_bounds(chips_per_process)  # ValueError lists valid shares
-    hosts = list(hostnames) if hostnames is not None else default_hostnames(topo)
-    if len(hosts) != topo.num_hosts or not all(isinstance(h, str) and h for h in hosts):
-        raise ConfigError(
-            f"hostnames must list {topo.num_hosts} non-empty host name(s), one per worker of "
-            f"{topo.pod_type} ({topo.topology}); got {hostnames!r}"
-        )
+    hosts = _checked_hostnames(topo, hostnames)
     procs = topo.chips_per_host // chips_per_process
     _check_port("port_base", port_base, procs)
     _check_port("slicebuilder_port_base", slicebuilder_port_base, procs)
-
-    hs, hb = topo.host_shape, topo.host_bounds
-    per_host = tuple(h // s for h, s in zip(hs, share, strict=True))
-    process_bounds = [b * p for b, p in zip(hb, per_host, strict=True)]
-    topology_dims = list(topo.shape)
-    devices = topo.generation.devices_per_chip
-    if devices > 1:
-        # v7x: each chip is two devices; torch_xla appends it to the process bounds and TorchTPU
-        # expects it as a 4th TORCH_TPU_TOPOLOGY dimension (e.g. "1,1,1,2" for one chip).
-        process_bounds.append(devices)
-        topology_dims.append(devices)
-
+    process_bounds, topology_dims = _bounds(topo, share)
     ports = [port_base + p for p in range(procs)]
     sb_ports = [slicebuilder_port_base + p for p in range(procs)]
     # Hosts are listed in worker-id order, which is torch_tpu's topological NODE_RANK order (see
@@ -117,6 +101,30 @@ def _build_shared(
         for p in range(procs)
     )
     return _Shared(procs, topo.num_hosts, local_envs)
+
+
+def _checked_hostnames(topo: SliceTopology, hostnames: tuple[str, ...] | None) -> list[str]:
+    hosts = list(hostnames) if hostnames is not None else default_hostnames(topo)
+    if len(hosts) != topo.num_hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError(
+            f"hostnames must list {topo.num_hosts} non-empty host name(s), one per worker of "
+            f"{topo.pod_type} ({topo.topology}); got {hostnames!r}"
+        )
+    return hosts
+
+
+def _bounds(topo: SliceTopology, share: Coords) -> tuple[list[int], list[int]]:
+    """TPU_PROCESS_BOUNDS and TORCH_TPU_TOPOLOGY's dimensions for processes of `share` chips each."""
+    per_host = tuple(h // s for h, s in zip(topo.host_shape, share, strict=True))
+    process_bounds = [b * p for b, p in zip(topo.host_bounds, per_host, strict=True)]
+    topology_dims = list(topo.shape)
+    devices = topo.generation.devices_per_chip
+    if devices > 1:
+        # v7x: each chip is two devices; torch_xla appends it to the process bounds and TorchTPU
+        # expects it as a 4th TORCH_TPU_TOPOLOGY dimension (e.g. "1,1,1,2" for one chip).
+        process_bounds.append(devices)
+        topology_dims.append(devices)
+    return process_bounds, topology_dims
 
 
 @lru_cache(maxsize=16, typed=True)

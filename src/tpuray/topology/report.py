@@ -51,17 +51,7 @@ def plan_dict(
         raise ConfigError(f"hostnames must hold one list per slice ({num_slices}), got {hostnames!r}")
     gen = topo.generation
     nproc = num_processes(topo, chips_per_process)
-    slices = []
-    per_process: list[dict[str, Any]] = []
-    for s in range(num_slices):
-        hosts = list(hostnames[s]) if hostnames else slice_hostnames(topo, num_slices, s)
-        envs = worker_envs(topo, hosts, chips_per_process, port_base)
-        common = {k: v for k, v in envs[0].items() if k not in PER_PROCESS_KEYS}
-        if num_slices > 1:
-            common.update(multislice_env(f"{slice_hostnames(topo, num_slices, 0)[0]}", num_slices, s))
-        slices.append({"slice_id": s, "hostnames": hosts, "env_common": common})
-        if s == 0:
-            per_process = [{"rank": r, **{k: e[k] for k in PER_PROCESS_KEYS}} for r, e in enumerate(envs)]
+    slices, per_process = _slice_envs(topo, num_slices, chips_per_process, hostnames, port_base)
     return {
         "generation": gen.family,
         "codename": gen.codename,
@@ -88,6 +78,29 @@ def plan_dict(
         "slices": slices,
         "per_process": per_process,
     }
+
+
+def _slice_envs(
+    topo: SliceTopology,
+    num_slices: int,
+    chips_per_process: int,
+    hostnames: Sequence[Sequence[str]] | None,
+    port_base: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each slice's hostnames and common env (MEGASCALE_* for multi-slice), and the per-process env of
+    the first slice (the others' are the same)."""
+    slices = []
+    per_process: list[dict[str, Any]] = []
+    for s in range(num_slices):
+        hosts = list(hostnames[s]) if hostnames else slice_hostnames(topo, num_slices, s)
+        envs = worker_envs(topo, hosts, chips_per_process, port_base)
+        common = {k: v for k, v in envs[0].items() if k not in PER_PROCESS_KEYS}
+        if num_slices > 1:
+            common.update(multislice_env(f"{slice_hostnames(topo, num_slices, 0)[0]}", num_slices, s))
+        slices.append({"slice_id": s, "hostnames": hosts, "env_common": common})
+        if s == 0:
+            per_process = [{"rank": r, **{k: e[k] for k in PER_PROCESS_KEYS}} for r, e in enumerate(envs)]
+    return slices, per_process
 
 
 def _wrap_text(wrap: list[bool]) -> str:
@@ -144,6 +157,12 @@ def plan_text(plan: dict[str, Any], topo: SliceTopology, limit: int = 64) -> str
         "",
         "Rank layout (slice 0):",
     ]
+    lines += _layout_lines(p, limit) + _env_lines(p, limit)
+    return "\n".join(lines)
+
+
+def _layout_lines(p: dict[str, Any], limit: int) -> list[str]:
+    """The rank layout table of slice 0 (at most `limit` ranks; 0: all)."""
     hosts0 = p["slices"][0]["hostnames"]
     shown = p["layout"] if limit == 0 else p["layout"][:limit]
     rows = [["rank", "worker", "chip", "coords", "hostname"]]
@@ -157,9 +176,15 @@ def plan_text(plan: dict[str, Any], topo: SliceTopology, limit: int = 64) -> str
         ]
         for e in shown
     ]
-    lines += _table(rows)
+    lines = _table(rows)
     if len(shown) < len(p["layout"]):
         lines.append(f"  ... {len(p['layout']) - len(shown)} more (use --limit 0 to list all)")
+    return lines
+
+
+def _env_lines(p: dict[str, Any], limit: int) -> list[str]:
+    """Each slice's common environment, then the per-process one (long values cut unless limit is 0)."""
+    lines: list[str] = []
     for s in p["slices"]:
         lines += ["", f"Environment common to every process of slice {s['slice_id']}:"]
         for k, v in s["env_common"].items():
@@ -173,4 +198,4 @@ def plan_text(plan: dict[str, Any], topo: SliceTopology, limit: int = 64) -> str
     lines += _table(rows)
     if len(procs) < len(p["per_process"]):
         lines.append(f"  ... {len(p['per_process']) - len(procs)} more")
-    return "\n".join(lines)
+    return lines
