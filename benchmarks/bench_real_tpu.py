@@ -317,14 +317,15 @@ def bench_weights(args) -> None:
     """A one-chip rollout engine (`tpuray.rl.worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
     runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
     + commit (copy into the weights on the chip), and the same bytes as received pieces staged as row
-    blocks (`tpuray.rl.rows`: one host-to-chip copy per block into its rows), against the raw transfer
+    blocks (`tpuray.rl.weights.rows`: one host-to-chip copy per block into its rows), against the raw transfer
     of the same bytes (each tensor `.to(chip)`: fresh buffers) and an in-place copy into the same tensors (`copy_`: what commit does);
     then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep level 1 (weights copied
     to the host) once, and at level 2 (discarded) with the trainer's weights on the chip taken over the
     host (stage + commit of the full state, as the object store delivers it) or handed over in process
     (`tpuray.rl.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
     allocator's count of live bytes on the device."""
-    from tpuray.rl.weights import assemble, engine_tensors
+    from tpuray.rl.weights.join import assemble
+    from tpuray.rl.weights.layout import engine_tensors
     from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
@@ -383,7 +384,7 @@ def bench_weights(args) -> None:
 def two_senders(state: dict) -> list[dict]:
     """The pieces of a one-rank engine's update as two trainer ranks of an FSDP2 run send them (each
     tensor's rows split between them; on the host, as a transfer leaves them)."""
-    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.weights.cut import trainer_pieces
 
     senders: list[dict] = [{}, {}]
     for name, (start, t) in trainer_pieces(state, 0, 1)[0].items():

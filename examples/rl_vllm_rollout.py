@@ -55,7 +55,7 @@ def run(workdir: Path, on_slice: bool) -> None:
 
 def fsdp2_sender(config: dict) -> list:
     """The RLRun's trainer (2 ranks, FSDP2): each iteration sends the second model as the next version,
-    each rank only its Shard(0) rows, cut per vLLM rank (tpuray.rl.vllm_layout)."""
+    each rank only its Shard(0) rows, cut per vLLM rank (tpuray.rl.weights.vllm_layout)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -52,8 +52,9 @@ def _device_bytes() -> int:
 
 
 def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
-    from tpuray.rl.pieces import trainer_pieces
-    from tpuray.rl.weights import WeightMismatchError, assemble
+    from tpuray.rl.weights.check import WeightMismatchError
+    from tpuray.rl.weights.cut import trainer_pieces
+    from tpuray.rl.weights.join import assemble
     from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
 

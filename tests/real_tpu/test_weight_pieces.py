@@ -1,4 +1,4 @@
-"""A trainer rank's weight-sync pieces cut from tensors on the real chip (`tpuray.rl.pieces`, no Ray): each
+"""A trainer rank's weight-sync pieces cut from tensors on the real chip (`tpuray.rl.weights.cut`, no Ray): each
 piece is copied once to the host, compact (weight_sync "object_store") or into its packed buffer
 ("tpu_dist"), and equals the same cut of the same weights on the CPU; the column pieces (o_proj,
 down_proj) are strided views of the device tensor, made contiguous there before the copy. Plain tensors
@@ -22,7 +22,7 @@ CONFIG = {
 
 
 def _cpu_state() -> dict[str, torch.Tensor]:
-    from tpuray.rl.weights import expected_shapes
+    from tpuray.rl.weights.layout import expected_shapes
 
     g = torch.Generator().manual_seed(0)
     return {n: torch.randn(s, generator=g) for n, s in expected_shapes(CONFIG).items()}
@@ -30,7 +30,7 @@ def _cpu_state() -> dict[str, torch.Tensor]:
 
 def _check_cut(state: dict, want_state: dict, part) -> None:
     from tpuray.rl.collective import pack, unpack
-    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.weights.cut import trainer_pieces
 
     for world in (1, 2, 4):
         want = trainer_pieces(want_state, 0, world, part)
@@ -47,8 +47,8 @@ def _check_cut(state: dict, want_state: dict, part) -> None:
 
 @pytest.mark.parametrize("layout", ["embedded", "vllm"])
 def test_pieces_cut_on_the_chip_equal_the_cpu_cut(tpu, layout):
-    from tpuray.rl.vllm_layout import vllm_part
-    from tpuray.rl.weights import embedded_part
+    from tpuray.rl.weights.layout import embedded_part
+    from tpuray.rl.weights.vllm_layout import vllm_part
 
     part = embedded_part if layout == "embedded" else functools.partial(vllm_part, config=CONFIG)
     cpu = _cpu_state()
@@ -59,7 +59,7 @@ def test_fsdp2_shards_on_the_chip_cut_like_the_cpu(tpu, process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tpuray.rl.weights import embedded_part
+    from tpuray.rl.weights.layout import embedded_part
 
     mesh = init_device_mesh("tpu", (1,))
     cpu = _cpu_state()
@@ -75,8 +75,8 @@ def test_fsdp2_hand_over_on_the_chip_equals_the_cpu_cut(tpu, process_group):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from tpuray.rl import handover
-    from tpuray.rl.vllm_layout import vllm_part
-    from tpuray.rl.weights import shard_state
+    from tpuray.rl.weights.cut import shard_state
+    from tpuray.rl.weights.vllm_layout import vllm_part
 
     mesh = init_device_mesh("tpu", (1,))
     cpu = _cpu_state()
@@ -96,9 +96,9 @@ def test_row_blocks_commit_into_weights_on_the_chip(tpu):
     """A rollout rank's received pieces (on the host, as a transfer leaves them; each part split between
     two senders) staged as row blocks (`assemble(deferred=True)`) and committed into tensors on the
     chip, block by block into row views of each: the chip's tensors equal the CPU's shard_state."""
-    from tpuray.rl.pieces import trainer_pieces
-    from tpuray.rl.rows import Rows
-    from tpuray.rl.weights import assemble, copy_shards, shard_state
+    from tpuray.rl.weights.cut import shard_state, trainer_pieces
+    from tpuray.rl.weights.join import assemble, copy_shards
+    from tpuray.rl.weights.rows import Rows
     from tpuray.rl.worker import _Holder
 
     state = _cpu_state()

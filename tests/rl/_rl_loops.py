@@ -38,7 +38,7 @@ def rl_loop(config: dict) -> list:
     model = load_policy(config["path"], config["strategy"])
     dropped = None
     if config.get("drop"):
-        from tpuray.rl.pieces import model_state
+        from tpuray.rl.weights.cut import model_state
 
         dropped = {k: v for k, v in model_state(model).items() if k != config["drop"]}
     seen = []

@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory) -> tuple[str, str]:
     """Two models vLLM's CPU attention can run (head_dim 32), same shapes, different weights; one KV head
-    (so under TP=4 every vLLM rank holds a copy of it: tpuray.rl.vllm_layout)."""
+    (so under TP=4 every vLLM rank holds a copy of it: tpuray.rl.weights.vllm_layout)."""
     from tpuray.models import build_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("rl-vllm-models")

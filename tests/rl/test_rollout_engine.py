@@ -197,7 +197,7 @@ def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
 
         def offer(self, state: dict, tensor_parallel_size: int) -> list:
             from tpuray.rl.collective import Offer, pack
-            from tpuray.rl.pieces import trainer_pieces
+            from tpuray.rl.weights.cut import trainer_pieces
 
             packed = [pack(p) for p in trainer_pieces(state, 0, tensor_parallel_size, compact=False)]
             self.flats = [flat for _, flat in packed]

@@ -15,9 +15,9 @@ import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
 from tpuray.rl.collective import pack, unpack
-from tpuray.rl.pieces import trainer_pieces
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
-from tpuray.rl.weights import assemble, shard_state
+from tpuray.rl.weights.cut import shard_state, trainer_pieces
+from tpuray.rl.weights.join import assemble
 from tpuray.validation import ConfigError
 
 ray.cloudpickle.register_pickle_by_value(_rl_loops)

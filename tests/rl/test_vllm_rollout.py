@@ -95,9 +95,9 @@ def lost_update(engine, state):
     import functools
     from _rl_util import orphaned
     from tpuray.rl import UpdateLostError
-    from tpuray.rl.pieces import trainer_pieces
+    from tpuray.rl.weights.cut import trainer_pieces
     from tpuray.rl.sync import TrainerUpdate
-    from tpuray.rl.vllm_layout import vllm_part
+    from tpuray.rl.weights.vllm_layout import vllm_part
 
     part = functools.partial(vllm_part, config=engine.model_config)
     pieces = trainer_pieces(state, 0, 4, part)

@@ -25,7 +25,8 @@ from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateL
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError
 from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
-from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, put_shards
+from tpuray.rl.weights.check import WeightMismatchError
+from tpuray.rl.weights.cut import ShardedUpdate, put_shards
 
 __all__ = [
     "IterationStats",

@@ -1,12 +1,12 @@
 """The `tpu_dist` weight-sync transport: a process group spanning a trainer's workers and a rollout
 engine's workers (both slices), over which each trainer rank sends every rollout rank the pieces of its
-tensor-parallel part (`tpuray.rl.pieces.trainer_pieces`) point to point, as one flat buffer per pair (in
+tensor-parallel part (`tpuray.rl.weights.cut.trainer_pieces`) point to point, as one flat buffer per pair (in
 messages of at most `Channel.chunk_bytes`: 64 MiB unless the rendezvous says otherwise). Only
 each buffer's `Offer` (the pieces' metadata: name, first row, shape, dtype, offset; and its size) travels
 through the RL run's mailbox actor to the driver, which hands the offers to the engine's workers. A
 trainer rank sends as soon as its offer is in the mailbox (the driver is not in the data's path); each
 rollout rank receives every buffer offered to it (sized by the offer, whatever the metadata says), then
-checks the pieces against the engine's model while assembling its part (`tpuray.rl.weights.assemble`):
+checks the pieces against the engine's model while assembling its part (`tpuray.rl.weights.join.assemble`):
 a name, shape or dtype mismatch is refused after the transfer, before anything is staged or written.
 
 The group is built with torch.distributed on a `PrefixStore` of a `TCPStore` the driver hosts
@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tpuray.rl import buffers
-from tpuray.rl.weights import WeightMismatchError
+from tpuray.rl.weights.buffers import BufferPool
+from tpuray.rl.weights.check import WeightMismatchError
 
 PREFIX = "tpuray-rl-sync"
 CHUNK_BYTES = 64 << 20  # default most bytes of one message (Channel.chunk_bytes)
@@ -112,11 +112,11 @@ ALIGN = 8  # bytes: every piece starts at a multiple, so that a view of the buff
 
 
 def pack(
-    pieces: dict[str, tuple[int, torch.Tensor]], key: tuple[Any, ...] | None = None
+    pieces: dict[str, tuple[int, torch.Tensor]], buffers: BufferPool | None = None, key: Any = None
 ) -> tuple[list[Meta], torch.Tensor | None]:
     """The pieces for one rollout rank as their metadata and one flat byte buffer (None when empty), each
     piece copied in once, from the host or the device (a strided device piece is made contiguous there
-    first); `key`: into this process's reused `buffers.flat(key, ...)`."""
+    first); into `buffers.flat(key, ...)`, reused, where `buffers` is given."""
     metas: list[Meta] = []
     offset = 0
     for name, (start, t) in pieces.items():
@@ -124,7 +124,7 @@ def pack(
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     if not metas:
         return metas, None
-    flat = buffers.flat(key, offset) if key is not None else torch.empty(offset, dtype=torch.uint8)
+    flat = buffers.flat(key, offset) if buffers is not None else torch.empty(offset, dtype=torch.uint8)
     for (_, t), (_, _, shape, _, at) in zip(pieces.values(), metas, strict=True):
         size = t.numel() * t.element_size()
         src = t.detach() if t.device.type == "cpu" else t.detach().contiguous()
@@ -184,6 +184,7 @@ class SyncGroup:
             dist.PrefixStore(prefix, store), rank, channel.world_size, timeout
         )
         self.transfer_s = 0.0  # seconds in the last send_all / recv_all (the collective alone)
+        self.buffers = BufferPool()  # what recv_all receives into, by sender
 
     def send_all(self, flats: list[torch.Tensor | None]) -> None:
         """Send flats[q] to rollout rank q (None: nothing for it), in chunks, and wait until all went."""
@@ -209,8 +210,8 @@ class SyncGroup:
         import time
 
         t = time.perf_counter()
-        key = (self.channel.host, self.channel.port, "recv")  # staged views of them end at commit
-        bufs = [buffers.flat((*key, o.sender), o.nbytes) for o in offers]
+        # reused from update to update: staged views of them end at commit
+        bufs = [self.buffers.flat(o.sender, o.nbytes) for o in offers]
         size = self.channel.chunk_bytes
         works = [
             (o, self._arriving(o, lambda o=o, c=c, tag=tag: self.pg.recv([c], o.sender, tag)))

@@ -28,7 +28,8 @@ from tpuray.rl.collective import TransferError
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.protocol import GenerationEngine, SleepLevel
 from tpuray.rl.sync import TrainerUpdate
-from tpuray.rl.weights import ShardedUpdate, WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.cut import ShardedUpdate
 from tpuray.rl.worker import RolloutWorker, RunnerWeights, check_sleep_level
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine

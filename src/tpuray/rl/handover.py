@@ -13,7 +13,7 @@ order):
   group), a `Replicate()` one is read where it is;
 - a plain tensor is rank 0's (as over the other transports: DDP replicas, or one worker), broadcast to the
   other ranks when there are several;
-then the rank cuts its tensor-parallel part (`tpuray.rl.pieces.row_pieces`) into a tensor of its own (the
+then the rank cuts its tensor-parallel part (`tpuray.rl.weights.cut.row_pieces`) into a tensor of its own (the
 whole tensor is freed before the next) and fuses them as the engine holds them.
 
 The shards live only in the sender's process: a trainer restart (new processes) must send its restored
@@ -31,16 +31,9 @@ from typing import Any
 import torch
 
 from tpuray.rl.collective import TransferError
-from tpuray.rl.pieces import dtensor_placement, row_pieces
-from tpuray.rl.weights import (
-    PartFn,
-    Piece,
-    WeightMismatchError,
-    check_state,
-    embedded_part,
-    fuse,
-    shapes_of,
-)
+from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.cut import dtensor_placement, row_pieces
+from tpuray.rl.weights.layout import PartFn, Piece, embedded_part, fuse
 
 
 class HandOverLost(TransferError):
@@ -87,7 +80,7 @@ def is_handed(refs: Any) -> bool:
 def rank_shards(
     state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """This trainer rank's rollout rank's shards (keyed like `tpuray.rl.weights.engine_tensors`, where
+    """This trainer rank's rollout rank's shards (keyed like `tpuray.rl.weights.layout.engine_tensors`, where
     the trainer's tensors live), from the trainer's HF-named `state`: its part of each tensor in the
     embedded engine's layout (`rank_pieces`), fused as the engine holds them. Every rank of the trainer
     calls it with the same tensors. A name or shape mismatch with the engine's model (`config`: its
@@ -100,8 +93,8 @@ def rank_pieces(
     state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any], part: PartFn
 ) -> dict[str, Piece]:
     """This trainer rank's rollout rank's part of each tensor in the layout of `part` (vLLM's:
-    `tpuray.rl.vllm_layout.vllm_part`), unfused, as the one piece a sender holding every row would send
-    it (`tpuray.rl.pieces.row_pieces`: its first row is 0), in a tensor of its own; for vLLM's worker,
+    `tpuray.rl.weights.vllm_layout.vllm_part`), unfused, as the one piece a sender holding every row would send
+    it (`tpuray.rl.weights.cut.row_pieces`: its first row is 0), in a tensor of its own; for vLLM's worker,
     which joins it as it joins received pieces (`join_pieces`). Checked as `rank_shards`."""
     check_state(shapes_of(state, dtensors=True), config)
     out: dict[str, Piece] = {}

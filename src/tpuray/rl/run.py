@@ -379,7 +379,7 @@ class RLRun:
         self._load(engine, sync, update)
 
     def _load(self, engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
-        from tpuray.rl.weights import WeightMismatchError
+        from tpuray.rl.weights.check import WeightMismatchError
 
         try:
             engine.update_weights(update)  # checked by the engine's workers before anything is staged

@@ -1,7 +1,7 @@
 """Weight sync straight from a `tpuray.train` run into a `RolloutEngine`'s workers (issue 23, item 2).
 
 Every trainer rank cuts, from the tensors it holds, the part each rollout tensor-parallel rank needs
-(`tpuray.rl.pieces`).
+(`tpuray.rl.weights.cut`).
 Transport "object_store": it puts one object per rollout rank in Ray's object store; only the ObjectRefs
 travel through a small mailbox actor to the driver, which hands them to the engine: rollout rank r pulls
 the pieces addressed to it from every trainer rank, checks and assembles them, and stages its fused
@@ -54,9 +54,11 @@ import torch
 from tpuray.rl import handover
 from tpuray.rl.collective import Channel, Offer, Rendezvous, joined, member, pack
 from tpuray.rl.mailbox import Mailbox, batch_key, join_key, ready_key, resend_key, stage, weight_key
-from tpuray.rl.pieces import model_state, trainer_pieces
-from tpuray.rl.vllm_layout import vllm_part
-from tpuray.rl.weights import PartFn, Piece, WeightMismatchError, embedded_part
+from tpuray.rl.weights.buffers import BufferPool
+from tpuray.rl.weights.check import WeightMismatchError
+from tpuray.rl.weights.cut import model_state, trainer_pieces
+from tpuray.rl.weights.layout import PartFn, Piece, embedded_part
+from tpuray.rl.weights.vllm_layout import vllm_part
 
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
@@ -129,6 +131,7 @@ class _Sent:
 
 
 _LAST_SENT: dict[tuple[str, int], _Sent] = {}  # this process's, by rendezvous address
+_SEND_BUFFERS = BufferPool()  # this process's packed updates, by rendezvous address and rollout rank
 
 
 @dataclass(frozen=True)
@@ -234,8 +237,8 @@ class SyncTarget:
             refs = [ray.put(p) if p else None for p in pieces]
             ray.get(self.mailbox.put.remote(key, (refs, nbytes)))
         else:  # only the metadata goes through the mailbox; the data straight to the rollout ranks
-            where = (self.channel.host, self.channel.port, "send")  # reused: the last update was acked
-            packed = [pack(p, (*where, q)) for q, p in enumerate(pieces)]
+            where = (self.channel.host, self.channel.port)  # reused: the last update was acked
+            packed = [pack(p, _SEND_BUFFERS, (*where, q)) for q, p in enumerate(pieces)]
             offers = [Offer(rank, m, f.numel()) if f is not None else None for m, f in packed]
             sent = _Sent(version, offers, nbytes, [f for _, f in packed], engine=-1)
             _LAST_SENT[(self.channel.host, self.channel.port)] = sent

@@ -31,7 +31,7 @@ from tpuray.rl.engine import Rollout, RolloutEngineError, is_state_dict
 from tpuray.rl.sync import TrainerUpdate
 from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
-from tpuray.rl.weights import WeightMismatchError
+from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 from tpuray.serve.llm.engine.vllm.engine import default_cpu_kv_cache

@@ -32,7 +32,7 @@ from tpuray.rl.engine import RolloutEngine, UpdateStats, lost_update
 from tpuray.rl.protocol import GenerationEngine
 from tpuray.rl.sync import TrainerUpdate, on_this_node
 from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
-from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
 from tpuray.serve.llm.generation import PromptEncoder, SamplingParams, SeqOutput
 
@@ -182,7 +182,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, update: Any) -> UpdateStats:
         """Load a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
         `model.state_dict()`) into every vLLM worker, or a `TrainerUpdate` (`tpuray.rl.sync`, an RLRun's
-        trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.vllm_layout`), of which each worker
+        trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.weights.vllm_layout`), of which each worker
         takes only the pieces of its own part: pulled from the object store (weight_sync="object_store")
         or received over the update's tpu_dist group, which the worker joins (weight_sync="tpu_dist",
         `tpuray.rl.collective`). Every name and

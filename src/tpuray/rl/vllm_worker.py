@@ -3,7 +3,7 @@ each of its workers (one per tensor-parallel rank), reached from the rollout eng
 `collective_rpc`.
 
 An update is two-phase, like the embedded engine's (rl/worker.py): `tpuray_stage_weights` checks every
-name and shape against the model's config.json with `tpuray.rl.weights.check_state` (the one check,
+name and shape against the model's config.json with `tpuray.rl.weights.check.check_state` (the one check,
 shared with the embedded engine) and keeps the update; only when every rank staged does
 `tpuray_commit_weights` load it with vLLM's in-place reload (the model's own `load_weights`, whose
 weight loaders fuse q/k/v and gate/up and keep this rank's tensor-parallel part). `tpuray_discard_weights` drops a staged update.
@@ -15,7 +15,7 @@ inside `collective_rpc` arguments: `pack_state` / `unpack_state` send each tenso
 bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass
 the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs (or tpu_dist offers) from a named holder actor
 and pulls them (or receives them over the update's tpu_dist group, which this worker joins at its first
-update): only its own pieces, cut in vLLM's layout (rl/vllm_layout.py), joined straight into the sparse
+update): only its own pieces, cut in vLLM's layout (rl/weights/vllm_layout.py), joined straight into the sparse
 full-shape tensors that commit loads (`SparseParts`: buffers kept from one update to the next).
 No top-level vllm import here: vLLM imports this module by its qualified name in every worker.
 """
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from tpuray.rl.collective import TransferError
-from tpuray.rl.vllm_layout import SparseParts
-from tpuray.rl.weights import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.buffers import BufferPool
+from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.vllm_layout import SparseParts
 
 EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
 LOST = "lost"  # tpuray_stage_pieces's [LOST, why]: the update's pieces were lost with their sender
@@ -64,7 +65,14 @@ class WeightsExtension:
     reload_weights: Any  # vLLM Worker.reload_weights
     _tpuray_staged: dict[str, torch.Tensor] | None = None  # a mixin: vLLM never calls our __init__
     _tpuray_parts: SparseParts | None = None  # this rank's parts of a TrainerUpdate
+    _tpuray_pool: BufferPool | None = None  # the buffers of those parts, reused from update to update
     _tpuray_emptied: list[tuple[Any, int]] = []  # (KV cache storage, its bytes) while emptied; reassigned
+
+    def _tpuray_buffers(self) -> BufferPool:
+        """This worker's buffers for the sparse parts of an update, made at its first (kept after)."""
+        if self._tpuray_pool is None:
+            self._tpuray_pool = BufferPool()
+        return self._tpuray_pool
 
     def _tpuray_config(self) -> dict[str, Any]:
         return json.loads((Path(self.model_config.model) / "config.json").read_text())
@@ -96,8 +104,8 @@ class WeightsExtension:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from tpuray.rl.sync import resolve_pieces
-        from tpuray.rl.vllm_layout import vllm_part
-        from tpuray.rl.weights import join_pieces
+        from tpuray.rl.weights.join import join_pieces
+        from tpuray.rl.weights.vllm_layout import vllm_part
 
         self._tpuray_parts = None
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
@@ -108,7 +116,7 @@ class WeightsExtension:
         config = self._tpuray_config()
         part = functools.partial(vllm_part, config=config)
         # joined straight into the sparse full tensors vLLM's loaders take, kept from update to update
-        sparse = SparseParts(config, rank, world, reuse=True)
+        sparse = SparseParts(config, rank, world, buffers=self._tpuray_buffers())
         try:
             parts = join_pieces(pieces, config, rank, world, part, into=sparse.block)
         except WeightMismatchError as e:

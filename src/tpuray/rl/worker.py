@@ -18,17 +18,12 @@ from typing import Any
 
 import torch
 
-from tpuray.rl import rows
 from tpuray.rl.protocol import SLEEP_LEVELS
-from tpuray.rl.weights import (
-    WeightMismatchError,
-    check_shards,
-    check_state,
-    copy_shards,
-    engine_tensors,
-    shapes_of,
-    shard_state,
-)
+from tpuray.rl.weights import rows
+from tpuray.rl.weights.check import WeightMismatchError, check_shards, check_state, shapes_of
+from tpuray.rl.weights.cut import shard_state
+from tpuray.rl.weights.join import copy_shards
+from tpuray.rl.weights.layout import engine_tensors
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
 
@@ -119,7 +114,7 @@ class RunnerWeights:
         if handover.is_handed(refs):
             return self.stage_shards(handover.take(list(refs)), owned=True)
         from tpuray.rl.sync import resolve_pieces
-        from tpuray.rl.weights import assemble
+        from tpuray.rl.weights.join import assemble
 
         pieces = resolve_pieces(refs, channel, self.rank)
         # row blocks over the received buffers: committed or discarded before the next update reuses them

@@ -1,4 +1,4 @@
-"""Staged shards as row blocks (tpuray.rl.rows): a rollout rank's join and fuse describe its shards over
+"""Staged shards as row blocks (tpuray.rl.weights.rows): a rollout rank's join and fuse describe its shards over
 the received pieces without copying them, and the commit writes each block into its rows once."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 from _rl_util import state_dict
 
-from tpuray.rl.pieces import trainer_pieces
-from tpuray.rl.rows import Rows, owned, write
-from tpuray.rl.weights import WeightMismatchError, assemble, check_shards, copy_shards, shard_state
+from tpuray.rl.weights.check import WeightMismatchError, check_shards
+from tpuray.rl.weights.cut import shard_state, trainer_pieces
+from tpuray.rl.weights.join import assemble, copy_shards
+from tpuray.rl.weights.rows import Rows, owned, write
 from tpuray.rl.worker import _Holder
 
 

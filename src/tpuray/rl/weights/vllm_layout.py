@@ -12,8 +12,8 @@ vLLM's tensor-parallel rank r of W holds, of each HF tensor, one block along one
   tied embeddings has no lm_head of its own (vLLM skips the name): its part is empty;
 - norms and o_proj's bias: replicated.
 
-`vllm_part` gives that block as (dim, lo, hi), in the form `tpuray.rl.weights` uses for the embedded
-engine (`embedded_part`), so `trainer_pieces`, `join_pieces` and the transports work unchanged with it
+`vllm_part` gives that block as (dim, lo, hi), in the form `tpuray.rl.weights.layout` uses for the
+embedded engine (`embedded_part`), so `trainer_pieces`, `join_pieces` and the transports work unchanged with it
 (pass `functools.partial(vllm_part, config=config)` as their `part`).
 
 vLLM 0.29's loaders cannot take an already-cut block: they always narrow what they are given by the
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from tpuray.rl import buffers
-from tpuray.rl.weights import ROW_SPLIT, Part, expected_shapes, optional_names
+from tpuray.rl.weights.buffers import BufferPool
+from tpuray.rl.weights.layout import ROW_SPLIT, Part, allowed_shapes
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 HEAD_ROWS = tuple(f"self_attn.q_proj.{k}" for k in ("weight", "bias"))
@@ -97,33 +97,32 @@ def _kv_rows(name: str, size: int, kv_heads: int, rank: int, world_size: int) ->
 
 class SparseParts:
     """One vLLM rank's parts of an update, joined straight into "sparse full" tensors (one copy from the
-    received pieces): pass `block` as `tpuray.rl.weights.join_pieces(..., into=...)`, then hand
-    `tensors()` to vLLM's `load_weights` / `reload_weights`. `reuse`: the full tensors are this
-    process's reused buffers (`tpuray.rl.buffers`: valid until the next update; only the blocks' pages
-    are ever written); `fill`: filled first instead (a test's NaN)."""
+    received pieces): pass `block` as `tpuray.rl.weights.join.join_pieces(..., into=...)`, then hand
+    `tensors()` to vLLM's `load_weights` / `reload_weights`. `buffers`: the full tensors are the
+    owner's reused buffers (valid until the next update; only the blocks' pages are ever written);
+    `fill`: filled first instead (a test's NaN)."""
 
     def __init__(
         self,
         config: Mapping[str, Any],
         rank: int,
         world_size: int,
-        reuse: bool = False,
+        buffers: BufferPool | None = None,
         fill: float | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.reuse = reuse
+        self.buffers = buffers
         self.fill = fill
-        self.shapes = {**expected_shapes(config), **optional_names(config)}
+        self.shapes = allowed_shapes(config)
         self.full: dict[str, torch.Tensor] = {}  # HF name -> its sparse full tensor, in join order
 
     def block(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Where rank's part of `name` (of `shape`) goes: its block in a new sparse full tensor."""
         full_shape = self.shapes[name]
         part = vllm_part(name, full_shape, self.rank, self.world_size, self.config)
-        key = ("sparse", name) if self.reuse else None
-        buf = self.full[name] = _full_buffer(full_shape, part, dtype, self.fill, key)
+        buf = self.full[name] = _full_buffer(full_shape, part, dtype, self.fill, self.buffers, name)
         out = buf if part is None else _narrow(buf, part)
         assert tuple(out.shape) == tuple(shape), (name, tuple(out.shape), shape)
         return out
@@ -142,16 +141,17 @@ def _full_buffer(
     part: Part | None,
     dtype: torch.dtype,
     fill: float | None,
-    key: tuple[Any, ...] | None = None,
+    buffers: BufferPool | None = None,
+    name: str = "",
 ) -> torch.Tensor:
-    """An uninitialized tensor of `shape` (reused under `key`; `fill`ed where given). A column block
+    """An uninitialized tensor of `shape` (`buffers`' under `name`; `fill`ed where given). A column block
     (dim 1) is contiguous in a transposed buffer: only its pages get written."""
     column = part is not None and part[0] == 1
     alloc = tuple(shape[::-1]) if column else tuple(shape)
     if fill is not None:
         buf = torch.full(alloc, fill, dtype=dtype)
-    elif key is not None:
-        buf = buffers.like(key, alloc, dtype)
+    elif buffers is not None:
+        buf = buffers.like(("sparse", name), alloc, dtype)
     else:
         buf = torch.empty(alloc, dtype=dtype)
     return buf.t() if column else buf

@@ -1,4 +1,4 @@
-"""tpuray.rl.weights: the HF-name -> engine-tensor mapping cuts exactly the shards `ShardedLlama` loads
+"""tpuray.rl.weights (layout, cut, check): the HF-name -> engine-tensor mapping cuts exactly the shards `ShardedLlama` loads
 from disk (every TP rank), and the checks name the first mismatch."""
 
 from __future__ import annotations
@@ -9,14 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpuray.rl.weights import (
-    WeightMismatchError,
-    check_state,
-    engine_tensors,
-    expected_shapes,
-    shapes_of,
-    shard_state,
-)
+from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
+from tpuray.rl.weights.cut import shard_state
+from tpuray.rl.weights.layout import engine_tensors, expected_shapes
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama, load_state_dict
 
 
@@ -71,7 +66,8 @@ class NoRay:  # a TPU VM runs the engine in one process, without Ray installed
 
 sys.meta_path.insert(0, NoRay())
 import torch
-from tpuray.rl.weights import WeightMismatchError, engine_tensors
+from tpuray.rl.weights.check import WeightMismatchError
+from tpuray.rl.weights.layout import engine_tensors
 from tpuray.rl.worker import RunnerWeights
 from tpuray.serve.llm.engine.embedded.model import load_state_dict
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner

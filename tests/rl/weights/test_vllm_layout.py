@@ -1,4 +1,4 @@
-"""tpuray.rl.vllm_layout: each vLLM tensor-parallel rank's part of every HF tensor (q/k/v with kv heads
+"""tpuray.rl.weights.vllm_layout: each vLLM tensor-parallel rank's part of every HF tensor (q/k/v with kv heads
 shared when there are fewer than ranks, gate/up, o/down columns, the padded vocab split), the parts of
 all ranks covering each tensor as vLLM holds it; and, against vLLM's own layers, that loading a rank's
 "sparse full" tensors (NaN outside its part) gives bit-identical parameters to loading the full tensors.
@@ -14,9 +14,11 @@ import functools
 import pytest
 import torch
 
-from tpuray.rl.pieces import row_pieces, trainer_pieces
-from tpuray.rl.vllm_layout import SparseParts, vllm_part, vocab_rows
-from tpuray.rl.weights import expected_shapes, join_pieces, part_range
+from tpuray.rl.weights.buffers import BufferPool
+from tpuray.rl.weights.cut import row_pieces, trainer_pieces
+from tpuray.rl.weights.join import join_pieces
+from tpuray.rl.weights.layout import expected_shapes, part_range
+from tpuray.rl.weights.vllm_layout import SparseParts, vllm_part, vocab_rows
 
 HEADS, HEAD_DIM, HIDDEN, INTER = 8, 4, 32, 24
 
@@ -172,9 +174,10 @@ def test_sparse_parts_place_each_block_in_a_full_tensor():
     assert full[:, : INTER // 4].isnan().all() and full[:, INTER // 2 :].isnan().all()
     assert full.t().is_contiguous()  # a column block: written rows of a transposed buffer
     assert sparse.block(norm, (HIDDEN,), torch.float32).shape == (HIDDEN,)  # replicated: the whole tensor
-    kept = SparseParts(config, 1, 4, reuse=True)
+    pool = BufferPool()  # a vLLM worker's, kept from one update to the next
+    kept = SparseParts(config, 1, 4, buffers=pool)
     first = kept.block(down, (HIDDEN, INTER // 4), torch.float32)
-    again = SparseParts(config, 1, 4, reuse=True).block(down, (HIDDEN, INTER // 4), torch.float32)
+    again = SparseParts(config, 1, 4, buffers=pool).block(down, (HIDDEN, INTER // 4), torch.float32)
     assert again.data_ptr() == first.data_ptr()  # the next update's block reuses the buffer
 
 
