@@ -42,7 +42,7 @@ def _peer_class():
             import torch.distributed as dist
 
             from tpuray import runtime
-            from tpuray.rl.collective import member
+            from tpuray.rl.sync.collective import member
 
             if "tpu_dist" not in dist.Backend.backend_list:
                 runtime.activate()
@@ -63,7 +63,7 @@ def bench_raw(pair_bytes: list[list[int]], rounds: int) -> dict[str, float]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from tpuray.rl.collective import Offer, Rendezvous
+    from tpuray.rl.sync.collective import Offer, Rendezvous
 
     hosts = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("TPU"))
     peer = _peer_class()

@@ -322,7 +322,7 @@ def bench_weights(args) -> None:
     then colocated hand-overs (sleep, an update while asleep, wake-up) at sleep level 1 (weights copied
     to the host) once, and at level 2 (discarded) with the trainer's weights on the chip taken over the
     host (stage + commit of the full state, as the object store delivers it) or handed over in process
-    (`tpuray.rl.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
+    (`tpuray.rl.sync.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
     allocator's count of live bytes on the device."""
     from tpuray.rl.weights.join import assemble
     from tpuray.rl.weights.layout import engine_tensors
@@ -373,7 +373,7 @@ def bench_weights(args) -> None:
     live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
     report("rl_handover", level=1, path="host", **handover(weights, update, 1, live))
     # the trainer's weights on the chip: over the host (the object store's path: stage + commit of the
-    # full state from the host) against the in-process hand-over (tpuray.rl.handover: cut and fused on
+    # full state from the host) against the in-process hand-over (tpuray.rl.sync.handover: cut and fused on
     # the chip, adopted at wake-up), alternated
     on_chip = {k: t.to(args.device) for k, t in state.items()}
     for path in ("host", "in_process", "host", "in_process"):
@@ -396,9 +396,9 @@ def two_senders(state: dict) -> list[dict]:
 
 
 def hand_over(weights, on_chip) -> None:
-    """A colocated rank's in-process hand-over of the trainer's weights `on_chip` (`tpuray.rl.handover`:
+    """A colocated rank's in-process hand-over of the trainer's weights `on_chip` (`tpuray.rl.sync.handover`:
     what weight_sync="tpu_dist" does colocated), taken by the engine rank (stage + commit)."""
-    from tpuray.rl import handover
+    from tpuray.rl.sync import handover
 
     handover.keep("bench", handover.rank_shards(on_chip, 0, 1, weights.config))
     weights.stage_pieces([handover.Handed("bench")])

@@ -24,7 +24,7 @@ runs that table alone, for the `--weight-sync` and `--engine` values given (all 
 Colocated engines (`--only colocated`, not part of `all`): colocated RLRuns (the engine TP=2 inside the
 FSDP2 trainer's 2 workers on one slice), the trainer sending the same weights every iteration: the
 embedded engine over each `--weight-sync` (object_store: pieces through the object store, owned by the
-mailbox; tpu_dist: the in-process hand-over, `tpuray.rl.handover`) at RLConfig(sleep_level=1), then 2,
+mailbox; tpu_dist: the in-process hand-over, `tpuray.rl.sync.handover`) at RLConfig(sleep_level=1), then 2,
 then 1 again, and vLLM (its external launcher) over each at level 1; the medians of rollout (wake-up,
 generate, sleep), sync and iteration seconds and the bytes sleep freed, side by side, and the ratios
 (vLLM / embedded, tpu_dist / object_store, level 2 / level 1).

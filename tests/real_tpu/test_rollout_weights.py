@@ -8,7 +8,7 @@ tokens for b, with no program rebuilt; a misshapen update is refused and changes
 weights and the KV cache leave the chip (the device allocator's count falls by the bytes `sleep` reports)
 and an update made meanwhile is on the chip after `wake_up`; at sleep level 2 the weights are discarded
 instead of copied to the host, and the update taken asleep is what wakes up; handed over in process
-(`tpuray.rl.handover`), the trainer's shards cut on the chip become the weights at wake-up."""
+(`tpuray.rl.sync.handover`), the trainer's shards cut on the chip become the weights at wake-up."""
 
 from __future__ import annotations
 
@@ -102,11 +102,11 @@ def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
 
 
 def _hand_over_on_the_chip(weights, tpu, path: str, freed: int) -> None:
-    """A colocated hand-over over weight_sync="tpu_dist" (`tpuray.rl.handover`): the trainer's weights
+    """A colocated hand-over over weight_sync="tpu_dist" (`tpuray.rl.sync.handover`): the trainer's weights
     (`path`'s) on the chip are cut and fused there by the trainer rank and left in the process; the
     engine, asleep at level 2, takes those shards and wakes up with them as its weights (no copy): the
     shards stay on the chip, and wake-up allocates only the KV cache."""
-    from tpuray.rl import handover
+    from tpuray.rl.sync import handover
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
 
     on_chip = {n: t.to(tpu) for n, t in load_state_dict(path).items()}

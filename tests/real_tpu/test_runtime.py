@@ -64,7 +64,7 @@ def test_tpu_dist_takes_only_tensors_on_the_chip(tpu, process_group):
     """TorchTPU's tpu_dist refuses host tensors (found 2026-12-06 on this chip): its backend, made by its
     registered creator as a process group of one's own would be, and the default group's front end. The
     emulated tpu_dist mirrors both (tests/runtime/test_dist.py), and the RL weight sync, which moves host
-    buffers, runs its group on gloo (`tpuray.rl.collective.SyncGroup`)."""
+    buffers, runs its group on gloo (`tpuray.rl.sync.collective.SyncGroup`)."""
     from datetime import timedelta
 
     dist = process_group

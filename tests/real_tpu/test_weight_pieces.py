@@ -29,7 +29,7 @@ def _cpu_state() -> dict[str, torch.Tensor]:
 
 
 def _check_cut(state: dict, want_state: dict, part) -> None:
-    from tpuray.rl.collective import pack, unpack
+    from tpuray.rl.sync.collective import pack, unpack
     from tpuray.rl.weights.cut import trainer_pieces
 
     for world in (1, 2, 4):
@@ -68,13 +68,13 @@ def test_fsdp2_shards_on_the_chip_cut_like_the_cpu(tpu, process_group):
 
 
 def test_fsdp2_hand_over_on_the_chip_equals_the_cpu_cut(tpu, process_group):
-    """A colocated trainer rank's in-process hand-over (`tpuray.rl.handover`, weight_sync="tpu_dist")
+    """A colocated trainer rank's in-process hand-over (`tpuray.rl.sync.handover`, weight_sync="tpu_dist")
     from FSDP2's DTensors on the chip (`full_tensor()` over the one-device mesh): the embedded engine's
     fused shards and vLLM's unfused part stay on the chip and equal the CPU's cut of the same weights."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tpuray.rl import handover
+    from tpuray.rl.sync import handover
     from tpuray.rl.weights.cut import shard_state
     from tpuray.rl.weights.vllm_layout import vllm_part
 

@@ -114,7 +114,7 @@ def _exit_once_sent(rl: Any, version: int, marker: str) -> None:
     import ray
 
     from tpuray import train
-    from tpuray.rl.mailbox import weight_key
+    from tpuray.rl.sync.mailbox import weight_key
 
     keys = [weight_key(0, "weights", version, r) for r in range(train.get_context().get_world_size())]
 

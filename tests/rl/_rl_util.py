@@ -68,7 +68,7 @@ def orphaned(value: Any) -> Any:
     the owner's death."""
     import ray
 
-    from tpuray.rl.sync import on_this_node
+    from tpuray.rl.sync.driver import on_this_node
 
     @ray.remote(num_cpus=0)
     class Owner:

@@ -187,8 +187,9 @@ def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
     raises UpdateLostError and stages nothing."""
     import ray
 
-    from tpuray.rl.collective import Rendezvous
-    from tpuray.rl.sync import TrainerUpdate, on_this_node
+    from tpuray.rl.sync.collective import Rendezvous
+    from tpuray.rl.sync.driver import on_this_node
+    from tpuray.rl.sync.update import TrainerUpdate
 
     @ray.remote(num_cpus=0)
     class HalfSender:
@@ -196,7 +197,7 @@ def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
         chunk of its buffer, then dies."""
 
         def offer(self, state: dict, tensor_parallel_size: int) -> list:
-            from tpuray.rl.collective import Offer, pack
+            from tpuray.rl.sync.collective import Offer, pack
             from tpuray.rl.weights.cut import trainer_pieces
 
             packed = [pack(p) for p in trainer_pieces(state, 0, tensor_parallel_size, compact=False)]
@@ -207,7 +208,7 @@ def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
             import os
 
             from tpuray import runtime
-            from tpuray.rl.collective import chunks, member
+            from tpuray.rl.sync.collective import chunks, member
 
             runtime.activate()
             group = member(channel, 0)

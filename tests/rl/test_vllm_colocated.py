@@ -47,7 +47,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
     (b's, then a misshapen one refused with b's kept, then a's again); batch 0 with model a's weights,
     then the trainer's updates (model b: over "object_store" each rank's Shard(0) rows cut in vLLM's
     layout, pulled by every vLLM rank; over "tpu_dist" each vLLM rank's part gathered over the trainer's
-    group and left in its process, `tpuray.rl.handover`) loaded into each vLLM rank in its own process;
+    group and left in its process, `tpuray.rl.sync.handover`) loaded into each vLLM rank in its own process;
     the tokens are those of Hugging Face's greedy decoding of a, then of b. vLLM's CPU backend has no sleep mode, so each rank frees its KV cache's memory between
     rollouts: freed > 0 every iteration. Nothing is left."""
     from _rl_util import state_dict

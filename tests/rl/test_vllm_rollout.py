@@ -96,7 +96,7 @@ def lost_update(engine, state):
     from _rl_util import orphaned
     from tpuray.rl import UpdateLostError
     from tpuray.rl.weights.cut import trainer_pieces
-    from tpuray.rl.sync import TrainerUpdate
+    from tpuray.rl.sync.update import TrainerUpdate
     from tpuray.rl.weights.vllm_layout import vllm_part
 
     part = functools.partial(vllm_part, config=engine.model_config)

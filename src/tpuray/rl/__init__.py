@@ -24,7 +24,9 @@ from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateLostError, UpdateStats
 from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError
-from tpuray.rl.sync import SyncError, SyncTarget, TrainerUpdate, WeightSync
+from tpuray.rl.sync.driver import WeightSync
+from tpuray.rl.sync.trainer import SyncTarget
+from tpuray.rl.sync.update import SyncError, TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.rl.weights.cut import ShardedUpdate, put_shards
 

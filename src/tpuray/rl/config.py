@@ -6,13 +6,16 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig, ModelLoadingConfig
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
+
+Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 ROLLOUT_ENGINES = ("auto", "vllm", "embedded")
 _LLM_ENGINE = {"auto": "auto", "vllm": "vLLM", "embedded": "embedded"}  # serving's names

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpuray.rl.collective import TransferError
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.protocol import GenerationEngine, SleepLevel
-from tpuray.rl.sync import TrainerUpdate
+from tpuray.rl.sync.collective import TransferError
+from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.rl.weights.cut import ShardedUpdate
 from tpuray.rl.worker import RolloutWorker, RunnerWeights, check_sleep_level

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tpuray.rl.config import RolloutConfig
+from tpuray.rl.config import TRANSPORTS, RolloutConfig, Transport
 from tpuray.rl.protocol import SLEEP_LEVELS, SleepLevel
-from tpuray.rl.sync import TRANSPORTS, Transport
 from tpuray.validation import ConfigError
 
 Placement = Literal["disaggregated", "colocated"]
@@ -42,13 +41,13 @@ class RLConfig:
     docs/rl.md): a torch.distributed process group. Disaggregated, it spans the trainer's and the
     engine's workers (TCPStore rendezvous on the driver) and moves host buffers, so it is a gloo group
     on every host (TorchTPU's "tpu_dist" takes only tensors on the chip; the emulated one is gloo
-    underneath: `tpuray.rl.collective`); only the pieces' metadata passes the driver, the trainer ranks
+    underneath: `tpuray.rl.sync.collective`); only the pieces' metadata passes the driver, the trainer ranks
     send every rollout rank the rows of its part they hold, point to point at once, and each rollout
     rank checks what it received before staging it
-    (`tpuray.rl.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
+    (`tpuray.rl.sync.collective`); with a vLLM rollout engine each vLLM worker joins the group and receives
     only its part, cut in vLLM's layout. Colocated, it is the trainer's own group: the ranks gather each
     tensor where it lives (on the chips) and each leaves its engine rank's part in its own process
-    (`tpuray.rl.handover`; nothing crosses the host link, no object is put): the embedded engine takes
+    (`tpuray.rl.sync.handover`; nothing crosses the host link, no object is put): the embedded engine takes
     its fused shards without a copy, vLLM's worker joins its part as it joins received pieces. The update
     then lives only in its sender's process, so a restarted trainer must send its restored weights again
     (docs/rl.md "Colocated restarts").

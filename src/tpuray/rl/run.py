@@ -23,11 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
-from tpuray.rl.mailbox import batch_key
 from tpuray.rl.reserve import capacity_shortfall, claim_slices
 from tpuray.rl.result import IterationStats, RLResult, RLRunError
 from tpuray.rl.rl_config import RLConfig
-from tpuray.rl.sync import WeightSync
+from tpuray.rl.sync.driver import WeightSync
+from tpuray.rl.sync.mailbox import batch_key
 from tpuray.rl.trainer_side import TrainerSide
 from tpuray.slices.claim import SliceClaim
 from tpuray.slices.placement import SliceReservationTimeout
@@ -154,7 +154,7 @@ class RLRun:
     def _model_configs(self) -> tuple[dict | None, dict | None]:
         """(vllm_config, model_config) for `WeightSync`, config.json read once: a vLLM engine's layout
         is cut by it (None: the embedded engine's), and a colocated run over "tpu_dist" cuts each
-        engine rank's part on the trainer's ranks by it (`tpuray.rl.handover`; None otherwise)."""
+        engine rank's part on the trainer's ranks by it (`tpuray.rl.sync.handover`; None otherwise)."""
         vllm = self.config.rollout.resolved_engine == "vllm"
         handover = self.config.placement == "colocated" and self.config.weight_sync == "tpu_dist"
         config = self.config.rollout.model_config() if vllm or handover else None

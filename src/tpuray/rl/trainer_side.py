@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tpuray.rl.result import RLRunError
-from tpuray.rl.sync import SyncTarget, WeightSync
+from tpuray.rl.sync.driver import WeightSync
+from tpuray.rl.sync.trainer import SyncTarget
 from tpuray.train.callbacks import Callback
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ vLLM makes its tensor-parallel group; the driver reaches each rank through Ray's
 (`colocate.HostedGroup`). Every rank runs the same `generate` over the same prompts (vLLM's external
 launcher needs identical, seeded requests on all ranks) and rank 0's outputs are returned. Updates: each
 rank takes its own pieces of a `TrainerUpdate` (from the object store, or over tpu_dist left in its
-process by its trainer rank: `tpuray.rl.handover`), or all of a full state dict put once, through
+process by its trainer rank: `tpuray.rl.sync.handover`), or all of a full state dict put once, through
 tpuray's vLLM worker extension, called in process; then all commit (vLLM's `reload_weights`).
 
 sleep / wake_up: vLLM's own sleep mode where the platform has one; on vLLM's CPU backend (its CPU build
@@ -28,7 +28,7 @@ from typing import Any
 from tpuray.rl.colocate import ColocatedRolloutEngine, HostedGroup
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import Rollout, RolloutEngineError, is_state_dict
-from tpuray.rl.sync import TrainerUpdate
+from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
 from tpuray.rl.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.weights.check import WeightMismatchError
@@ -239,7 +239,7 @@ class ColocatedVLLMEngine(ColocatedRolloutEngine):
 
     def _update_workers(self, update: Any) -> int:
         """An RLRun's TrainerUpdate (object store: each rank pulls its own pieces; tpu_dist: each takes the
-        part its trainer rank left in its process, `tpuray.rl.handover`) or a full state dict (checked on
+        part its trainer rank left in its process, `tpuray.rl.sync.handover`) or a full state dict (checked on
         the driver already; put once, every rank stages all of it), then every rank commits."""
         import ray
 

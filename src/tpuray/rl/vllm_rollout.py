@@ -26,11 +26,12 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from tpuray.rl.collective import Channel
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.engine import RolloutEngine, UpdateStats, lost_update
 from tpuray.rl.protocol import GenerationEngine
-from tpuray.rl.sync import TrainerUpdate, on_this_node
+from tpuray.rl.sync.collective import Channel
+from tpuray.rl.sync.driver import on_this_node
+from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
@@ -185,7 +186,7 @@ class VLLMRolloutEngine(RolloutEngine):
         trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.weights.vllm_layout`), of which each worker
         takes only the pieces of its own part: pulled from the object store (weight_sync="object_store")
         or received over the update's tpu_dist group, which the worker joins (weight_sync="tpu_dist",
-        `tpuray.rl.collective`). Every name and
+        `tpuray.rl.sync.collective`). Every name and
         shape is checked before anything is written (a state dict here, and on each rank before any rank
         loads): WeightMismatchError names the first missing, unknown or misshapen tensor and the engine
         keeps its current weights. `ShardedUpdate`s and bare ObjectRefs are the embedded engine's

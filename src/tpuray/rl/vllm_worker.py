@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tpuray.rl.collective import TransferError
+from tpuray.rl.sync.collective import TransferError
 from tpuray.rl.weights.buffers import BufferPool
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.rl.weights.vllm_layout import SparseParts
@@ -103,7 +103,7 @@ class WeightsExtension:
         import ray
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-        from tpuray.rl.sync import resolve_pieces
+        from tpuray.rl.sync.update import resolve_pieces
         from tpuray.rl.weights.join import join_pieces
         from tpuray.rl.weights.vllm_layout import vllm_part
 

@@ -106,14 +106,14 @@ class RunnerWeights:
     def stage_pieces(self, refs: Any, channel: Any = None) -> int:
         """Stage this rank's shards assembled from the pieces a trainer's ranks sent it (a
         `TrainerUpdate`'s refs for this rank; received over its tpu_dist `channel` when it has one);
-        checked like `stage_shards`. A colocated hand-over's marker (`tpuray.rl.handover.Handed`) stages
+        checked like `stage_shards`. A colocated hand-over's marker (`tpuray.rl.sync.handover.Handed`) stages
         the shards the trainer rank in this process left for it, owned."""
-        from tpuray.rl import handover
+        from tpuray.rl.sync import handover
 
         self.staged = None
         if handover.is_handed(refs):
             return self.stage_shards(handover.take(list(refs)), owned=True)
-        from tpuray.rl.sync import resolve_pieces
+        from tpuray.rl.sync.update import resolve_pieces
         from tpuray.rl.weights.join import assemble
 
         pieces = resolve_pieces(refs, channel, self.rank)

@@ -97,7 +97,7 @@ except RuntimeError as e:
 assert weights.stage_shards(shards) > 0 and weights.commit() > 0 and weights.wake_up() > 0
 assert all(torch.equal(t, shards[k]) for k, t in engine_tensors(weights.runner.model).items())
 # a colocated hand-over: the shards a trainer rank cut for this rank in this process, adopted at wake-up
-from tpuray.rl import handover
+from tpuray.rl.sync import handover
 
 mine = handover.rank_shards(load_state_dict(a), 0, 1, weights.config)
 handover.keep("w-1", mine)
@@ -118,7 +118,7 @@ def test_an_in_process_engine_takes_updates_without_ray(tiny_models):
     """`RunnerWeights` (the in-process engine's updates and sleep) never imports Ray: a TPU VM runs it in
     one process where Ray is not installed (tests/real_tpu/test_rollout_weights.py runs it there). Sleep
     at level 2 discards the weights: an update is checked against their shapes, and wake_up needs one. A
-    colocated hand-over's shards (`tpuray.rl.handover`) become the weights at wake-up without a copy,
+    colocated hand-over's shards (`tpuray.rl.sync.handover`) become the weights at wake-up without a copy,
     and are taken once."""
     import subprocess
     import sys
@@ -138,7 +138,7 @@ def test_a_hand_over_cuts_the_shards_the_engine_loads_from_disk(tiny_models):
     process group in tests/rl/test_placement.py) gives exactly the shards `ShardedLlama` loads, in
     tensors of their own (never the trainer's); a misshapen tensor is refused naming it, before any
     collective."""
-    from tpuray.rl import handover
+    from tpuray.rl.sync import handover
 
     path = tiny_models[0]
     config = json.loads((Path(path) / "config.json").read_text())

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from tpuray.rl.collective import TransferError
+from tpuray.rl.sync.collective import TransferError
+from tpuray.rl.sync.local import local
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.rl.weights.cut import dtensor_placement, row_pieces
 from tpuray.rl.weights.layout import PartFn, Piece, embedded_part, fuse
@@ -49,21 +50,19 @@ class Handed:
     key: str
 
 
-_HANDED: dict[str, dict[str, Any]] = {}  # this process's latest hand-over, by key
-
-
 def keep(key: str, update: dict[str, Any]) -> None:
-    """Leave `update` (`rank_shards`' or `rank_pieces`') for this process's engine rank under `key` (an
-    earlier, untaken hand-over goes)."""
-    _HANDED.clear()
-    _HANDED[key] = update
+    """Leave `update` (`rank_shards`' or `rank_pieces`') for this process's engine rank under `key`, in the
+    process's `LocalSync` (an earlier, untaken hand-over goes)."""
+    handed = local().handed
+    handed.clear()
+    handed[key] = update
 
 
 def take(markers: list[Any]) -> dict[str, Any]:
     """The update a `Handed` marker names, taken (HandOverLost when this process holds none under it)."""
     if len(markers) != 1 or not isinstance(markers[0], Handed):
         raise WeightMismatchError(f"a colocated hand-over is one Handed marker per rank, got {markers!r}")
-    shards = _HANDED.pop(markers[0].key, None)
+    shards = local().handed.pop(markers[0].key, None)
     if shards is None:
         raise HandOverLost(
             f"the colocated update {markers[0].key!r} is not in this process: the trainer rank that handed "

@@ -1,4 +1,4 @@
-"""The tpu_dist weight-sync transport's group (tpuray.rl.collective): gloo on every host (its buffers are
+"""The tpu_dist weight-sync transport's group (tpuray.rl.sync.collective): gloo on every host (its buffers are
 host tensors, which tpu_dist, TorchTPU's and the emulated one, refuses), moving host buffers between two
 ranks of a real group, in chunks."""
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpuray.rl.collective import Channel, Offer, SyncGroup, pack
+from tpuray.rl.sync.collective import Channel, Offer, SyncGroup, pack
 
 
 def test_the_group_moves_host_buffers_over_gloo():

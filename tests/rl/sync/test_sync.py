@@ -14,8 +14,8 @@ import ray.cloudpickle
 import torch
 
 from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
-from tpuray.rl.collective import pack, unpack
 from tpuray.rl.run import RLConfig, RLRun, RLRunError
+from tpuray.rl.sync.collective import pack, unpack
 from tpuray.rl.weights.cut import shard_state, trainer_pieces
 from tpuray.rl.weights.join import assemble
 from tpuray.validation import ConfigError
@@ -269,7 +269,7 @@ def test_the_mailbox_releases_the_batches_a_committed_checkpoint_covers():
     after that, or not read yet, stays (a loop may checkpoint before training on the batch it read)."""
     import asyncio
 
-    from tpuray.rl.mailbox import Mailbox, batch_key
+    from tpuray.rl.sync.mailbox import Mailbox, batch_key
 
     async def scenario() -> list[int]:
         box = Mailbox(world_size=2)

@@ -15,7 +15,7 @@ real TPU hosts (TorchTPU's takes only tensors on the chip: "expected tensor to b
 v5e, tests/real_tpu/test_runtime.py) and on emulated ones (which mirror it). Gloo moves them over the
 hosts' network (DCN on real slices), as the emulated tpu_dist's gloo does underneath. Ranks: trainer
 rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
-first transfer (`member`) and keeps the group until it exits. A restarted trainer (attempt n, new worker
+first transfer (`member`) and keeps the group until it exits (`tpuray.rl.sync.local`). A restarted trainer (attempt n, new worker
 processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
 engine's workers join it at their next transfer and close the lost attempt's group (`member`); so does
 a rollout engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's
@@ -24,13 +24,13 @@ ranks, which close their group with the lost engine.
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 
+from tpuray.rl.sync.local import local
 from tpuray.rl.weights.buffers import BufferPool
 from tpuray.rl.weights.check import WeightMismatchError
 
@@ -244,33 +244,22 @@ class SyncGroup:
             shutdown()
 
 
-_MEMBERS: dict[tuple[str, int, int, int], SyncGroup] = {}  # this process's groups, by address and group
-
-
 def _key(channel: Channel) -> tuple[str, int, int, int]:
     return (channel.host, channel.port, channel.generation, channel.engine)
 
 
 def joined(channel: Channel, rank: int) -> bool:
     """Whether this process is in `channel`'s group already (as `rank`)."""
-    group = _MEMBERS.get(_key(channel))
+    group = local().groups.get(_key(channel))
     return group is not None and group.rank == rank
 
 
 def member(channel: Channel, rank: int) -> SyncGroup:
     """This process's member of `channel`'s group as `rank` (joined at the first call: blocks until every
-    rank of the group joined; closed when the process exits)."""
-    key = _key(channel)
-    if key not in _MEMBERS:
-        if not _MEMBERS:
-            atexit.register(close_all)
-        for old in [k for k in _MEMBERS if k[:2] == key[:2] and k[2:] < key[2:]]:
-            _MEMBERS.pop(old).close()  # a lost trainer attempt's or rollout engine's group
-        _MEMBERS[key] = SyncGroup(channel, rank)
-    return _MEMBERS[key]
-
-
-def close_all() -> None:
-    """Close this process's groups (at exit)."""
-    while _MEMBERS:
-        _MEMBERS.popitem()[1].close()
+    rank of the group joined; kept in the process's `LocalSync`, closed when the process exits)."""
+    key, groups = _key(channel), local().groups
+    if key not in groups:
+        for old in [k for k in groups if k[:2] == key[:2] and k[2:] < key[2:]]:
+            groups.pop(old).close()  # a lost trainer attempt's or rollout engine's group
+        groups[key] = SyncGroup(channel, rank)
+    return groups[key]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tpuray.rl.sync.local import local
+
 ATTEMPT_PREFIX = "attempt"  # mailbox keys of one trainer attempt's weight updates: attempt{n}/...
 
 
@@ -63,17 +65,15 @@ def join_key(attempt: int, engine: int, rank: int) -> str:
     return f"{ATTEMPT_PREFIX}{attempt}/join/{engine}/{rank}"
 
 
-_STAGED: dict[str, list[Any]] = {}  # in a trainer worker's process: pieces waiting for `hand_over`
-
-
 def stage(key: str, pieces: list[Any]) -> None:
-    """In a trainer rank: keep an update's non-empty pieces for the mailbox to take (`hand_over`)."""
-    _STAGED[key] = pieces
+    """In a trainer rank: keep an update's non-empty pieces (in its process's `LocalSync`) for the mailbox
+    to take (`hand_over`)."""
+    local().staged[key] = pieces
 
 
 def _give(actor: Any, key: str) -> Any:
     """Runs in the trainer rank's process (`__ray_call__`): its staged pieces, one return value each."""
-    pieces = _STAGED.pop(key)
+    pieces = local().staged.pop(key)
     return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
 
