@@ -314,7 +314,7 @@ def bench_kv_write(args) -> None:
 
 # -- RL: the rollout engine's weight updates and sleep / wake-up ---------------------------------------------
 def bench_weights(args) -> None:
-    """A one-chip rollout engine (`tpuray.rl.worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
+    """A one-chip rollout engine (`tpuray.rl.rollout.embedded_worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
     runs it in process) taking a full bf16 state dict from the host: stage (check, cut, fuse on the host)
     + commit (copy into the weights on the chip), and the same bytes as received pieces staged as row
     blocks (`tpuray.rl.weights.rows`: one host-to-chip copy per block into its rows), against the raw transfer
@@ -324,9 +324,9 @@ def bench_weights(args) -> None:
     host (stage + commit of the full state, as the object store delivers it) or handed over in process
     (`tpuray.rl.sync.handover`: cut and fused on the chip, adopted at wake-up), alternated; with the
     allocator's count of live bytes on the device."""
+    from tpuray.rl.rollout.embedded_worker import RunnerWeights
     from tpuray.rl.weights.join import assemble
     from tpuray.rl.weights.layout import engine_tensors
-    from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
     from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 

@@ -87,14 +87,14 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from transformers import AutoModelForCausalLM
 
-    from tpuray.rl import RolloutEngine, grpo, put_shards
+    from tpuray.rl import grpo, put_shards, rollout_engine
 
     path = _model(args, root)
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     cfg, _ = grpo.two_slices(str(path), max_num_seqs=4)
     puller = puller_class()
-    with RolloutEngine(cfg) as engine:
+    with rollout_engine(cfg) as engine:
         assert engine.group is not None
         nodes = engine.group.node_ids()
         ranks = engine.group.world_size

@@ -25,8 +25,8 @@ def run(workdir: Path, on_slice: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from tpuray.models import build_tiny_causal_lm
-    from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
-    from tpuray.rl.vllm_rollout import SleepModeUnavailable
+    from tpuray.rl import RolloutConfig, WeightMismatchError, rollout_engine
+    from tpuray.rl.rollout.vllm import SleepModeUnavailable
     from tpuray.serve.llm.generation import SamplingParams
 
     shape = {"hidden_size": 128, "num_attention_heads": 4, "max_position_embeddings": 256}
@@ -34,7 +34,7 @@ def run(workdir: Path, on_slice: bool) -> None:
     where = {"accelerator_type": "TPU-V6E", "topology": "2x2"} if on_slice else {}
     config = RolloutConfig(first, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32", **where)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with RolloutEngine(config) as engine:
+    with rollout_engine(config) as engine:
         print("engine:", engine.describe()["where"])
         print("first model: ", [r.text for r in engine.generate(PROMPTS, greedy)])
         state = AutoModelForCausalLM.from_pretrained(second).state_dict()

@@ -57,7 +57,7 @@ HEAVY_MODULES = frozenset(
         "serve/test_ray_serve_llm.py",
         "emulator/test_autoscale.py",
         "serve/backends/test_engine_proof.py",
-        "rl/test_vllm_rollout.py",
+        "rl/rollout/test_vllm_rollout.py",
         "train/test_ray_train.py",
         "train/test_data.py",
         "slices/test_layouts.py",  # light, but its 4x4 layout is then the one test_data's and Ray Train's 4x4 use

@@ -1,4 +1,4 @@
-"""The embedded rollout engine's weight updates and sleep / wake-up on the real chip (`tpuray.rl.worker`'s
+"""The embedded rollout engine's weight updates and sleep / wake-up on the real chip (`tpuray.rl.rollout.embedded_worker`'s
 `RunnerWeights` over an in-process `ModelRunner`, as `RolloutEngine` runs a one-chip engine; no Ray).
 
 Two small models trained here with different seeds, a and b (same shapes, confident greedy choices): the
@@ -52,10 +52,10 @@ def _device_bytes() -> int:
 
 
 def test_updates_and_sleep_on_the_chip(tpu, models, highest_precision):
+    from tpuray.rl.rollout.embedded_worker import RunnerWeights
     from tpuray.rl.weights.check import WeightMismatchError
     from tpuray.rl.weights.cut import trainer_pieces
     from tpuray.rl.weights.join import assemble
-    from tpuray.rl.worker import RunnerWeights
     from tpuray.serve.llm.engine.embedded.model import load_state_dict
 
     a, b = models

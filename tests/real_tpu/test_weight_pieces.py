@@ -96,10 +96,10 @@ def test_row_blocks_commit_into_weights_on_the_chip(tpu):
     """A rollout rank's received pieces (on the host, as a transfer leaves them; each part split between
     two senders) staged as row blocks (`assemble(deferred=True)`) and committed into tensors on the
     chip, block by block into row views of each: the chip's tensors equal the CPU's shard_state."""
+    from tpuray.rl.rollout.embedded_worker import _Holder
     from tpuray.rl.weights.cut import shard_state, trainer_pieces
     from tpuray.rl.weights.join import assemble, copy_shards
     from tpuray.rl.weights.rows import Rows
-    from tpuray.rl.worker import _Holder
 
     state = _cpu_state()
     whole = trainer_pieces(state, 0, 2)[1]

@@ -45,11 +45,11 @@ def vllm_models(tmp_path_factory) -> tuple[str, str]:
 def reference(tiny_models) -> dict[str, list[list[int]]]:
     from _rl_util import greedy
 
-    from tpuray.rl import RolloutConfig, RolloutEngine
+    from tpuray.rl import RolloutConfig, rollout_engine
 
     out = {}
     for name, path in zip("ab", tiny_models, strict=True):
-        with RolloutEngine(RolloutConfig(path, max_model_len=64, max_num_seqs=4)) as engine:
+        with rollout_engine(RolloutConfig(path, max_model_len=64, max_num_seqs=4)) as engine:
             out[name] = greedy(engine)
     assert out["a"] != out["b"]
     return out

@@ -42,7 +42,7 @@ def test_colocated_run_and_failures(
     nothing and holds nothing: the two are claimed in one request. Nothing is left."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from tpuray.rl.colocate import HostedGroup
+    from tpuray.rl.rollout.hosted import HostedGroup
     from tpuray.train import FailureConfig, RunConfig, ScalingConfig
 
     # FSDP2 with FailureConfig(max_failures=1): rank 1 (a trainer worker and engine rank 1) is killed

@@ -1,28 +1,25 @@
 """Reinforcement-learning substrate (issue 23): a rollout engine with weight updates, for frameworks
 such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See docs/rl.md.
 
-- `RolloutConfig`, `RolloutEngine`: batched `generate(prompts, SamplingParams, n=1) -> list[Rollout]` over
-  vLLM (`VLLMRolloutEngine`, where installed) or tpuray's embedded engine, in this process or tensor
-  parallel on a TPU slice; `update_weights(state)` (checked before anything is written), `sleep()` /
-  `wake_up()`, `shutdown()`.
-- `weights`: the Hugging Face name <-> engine tensor mapping (one place); `put_shards(state, config, tp)`
-  cuts an update per tensor-parallel rank where the state lives, so each engine rank receives its part.
-- `sync`: weight sync from a `tpuray.train` run: `WeightSync` (driver) / `SyncTarget.send` (every trainer
-  rank sends only its shard, FSDP2; rank 0 the full state, DDP) -> a `TrainerUpdate` for `update_weights`.
-  Transports (`RLConfig.weight_sync`): "tpu_dist" (`collective`: a process group spanning both sides'
-  workers, the data point to point; colocated, the in-process hand-over, `handover`) or "object_store"
-  (ObjectRefs through the driver).
+- `RolloutConfig`, `rollout_engine(config) -> RolloutEngine`: batched `generate(prompts, SamplingParams,
+  n=1) -> list[Rollout]` over vLLM or tpuray's embedded engine, in this process or tensor parallel on a
+  TPU slice; `update_weights(state)` (checked before anything is written), `sleep()` / `wake_up()`,
+  `shutdown()` (`tpuray.rl.rollout`).
+- `put_shards(state, config, tp)`: an update cut per tensor-parallel rank where the state lives
+  (`tpuray.rl.weights`: the Hugging Face name <-> engine tensor mapping, in one place).
+- Weight sync from a `tpuray.train` run (`tpuray.rl.sync`): `WeightSync` (driver) / `SyncTarget.send`
+  (every trainer rank sends only its shard) -> a `TrainerUpdate` for `update_weights`, over
+  `RLConfig.weight_sync` "tpu_dist" or "object_store".
 - `RLConfig`, `RLRun`: a tpuray.train trainer and a rollout engine placed by config (disaggregated, or
-  colocated: the engine inside the trainer's workers, `colocate`, or vLLM there, `vllm_colocated`),
-  joined by a batch -> train -> sync loop, optionally overlapped (off-policy by one step).
+  colocated in the trainer's workers), joined by a batch -> train -> sync loop, optionally overlapped.
 """
 
 from __future__ import annotations
 
-from tpuray.rl import vllm_rollout  # noqa: F401  (registers RolloutEngine's vLLM subclass)
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateLostError, UpdateStats
 from tpuray.rl.rl_config import RLConfig
+from tpuray.rl.rollout.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateLostError, UpdateStats
+from tpuray.rl.rollout.factory import rollout_engine
 from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError
 from tpuray.rl.sync.driver import WeightSync
 from tpuray.rl.sync.trainer import SyncTarget
@@ -49,4 +46,5 @@ __all__ = [
     "WeightMismatchError",
     "WeightSync",
     "put_shards",
+    "rollout_engine",
 ]

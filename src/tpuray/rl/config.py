@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 
 Transport = Literal["object_store", "tpu_dist"]  # RLConfig.weight_sync documents each
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
+SleepLevel = Literal[1, 2]
+"""How a rollout engine sleeps (vLLM's levels): 1, its weights copied to host memory first; 2, discarded
+(the next update must replace them all before it generates again). Either way the KV cache is dropped."""
+SLEEP_LEVELS: tuple[int, ...] = get_args(SleepLevel)
 
 ROLLOUT_ENGINES = ("auto", "vllm", "embedded")
 _LLM_ENGINE = {"auto": "auto", "vllm": "vLLM", "embedded": "embedded"}  # serving's names

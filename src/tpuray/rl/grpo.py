@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
     from transformers import AutoModelForCausalLM
 
     from tpuray.models import build_tiny_causal_lm
-    from tpuray.rl import RolloutConfig, RolloutEngine
+    from tpuray.rl import RolloutConfig, rollout_engine
     from tpuray.serve.llm.generation import SamplingParams
 
     torch.manual_seed(args.seed)
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
         max_num_seqs=len(PROMPTS) * args.group,
     )
     history: list[Iteration] = []
-    with RolloutEngine(config) as engine:
+    with rollout_engine(config) as engine:
         print(
             f"rollout engine: tensor_parallel_size={engine.tensor_parallel_size} on {engine.describe()['slice']}"
         )

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tpuray.rl.config import TRANSPORTS, RolloutConfig, Transport
-from tpuray.rl.protocol import SLEEP_LEVELS, SleepLevel
+from tpuray.rl.config import SLEEP_LEVELS, TRANSPORTS, RolloutConfig, SleepLevel, Transport
 from tpuray.validation import ConfigError
 
 Placement = Literal["disaggregated", "colocated"]
@@ -29,7 +28,7 @@ class RLConfig:
     "colocated": one slice, the trainer's, reserved once; the rollout engine (embedded or vLLM, tensor parallel
     over the trainer's ranks) runs inside the trainer's worker processes and the phases take turns on
     the same chips: generate, engine `sleep()` (its memory freed), train, weight sync into the sleeping
-    engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.colocate`, docs/rl.md)."""
+    engine, `wake_up()`. `rollout` then names no slice of its own (`tpuray.rl.rollout.hosted`, docs/rl.md)."""
     overlap: bool = False
     """Disaggregated only: generate batch k+1 (with the weights of step k-1) while the trainer trains on
     batch k, i.e. off-policy by one step; False is on-policy (generate, then train, then sync)."""

@@ -22,13 +22,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpuray.rl.engine import RolloutEngine, RolloutEngineError, UpdateLostError
 from tpuray.rl.reserve import capacity_shortfall, claim_slices
 from tpuray.rl.result import IterationStats, RLResult, RLRunError
 from tpuray.rl.rl_config import RLConfig
+from tpuray.rl.rollout.engine import RolloutEngine, RolloutEngineError, UpdateLostError
+from tpuray.rl.rollout.factory import rollout_engine
+from tpuray.rl.rollout.hosted import all_alive
 from tpuray.rl.sync.driver import WeightSync
 from tpuray.rl.sync.mailbox import batch_key
 from tpuray.rl.trainer_side import TrainerSide
+from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.slices.claim import SliceClaim
 from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.validation import ConfigError
@@ -92,7 +95,7 @@ class RLRun:
         self._versions, self._attempt, self._last_update, self._rollout_restarts = [], 0, None, 0
         if claim is not None:
             try:  # the rollout slice, a claimed one (or raises, nothing held)
-                self._engine = RolloutEngine(self.config.rollout)
+                self._engine = rollout_engine(self.config.rollout)
             except BaseException:
                 claim.close()
                 raise
@@ -215,16 +218,12 @@ class RLRun:
 
     def _hosted_engine(self, attempt: int, hosts: list[Any]) -> RolloutEngine:
         """Colocated: the engine in trainer attempt `attempt`'s workers `hosts`, awake."""
-        from tpuray.rl.colocate import ColocatedRolloutEngine
-        from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
-
         if self._engine is not None and self._engine_attempt != attempt:
             self._shutdown_engine()  # its workers were an earlier attempt's
         if self._engine is not None:
             self._engine.wake_up()
             return self._engine
-        vllm = self.config.rollout.resolved_engine == "vllm"
-        self._engine = (ColocatedVLLMEngine if vllm else ColocatedRolloutEngine)(self.config.rollout, hosts)
+        self._engine = rollout_engine(self.config.rollout, hosts)
         self._engine_attempt, self._engine_hosts = attempt, hosts
         if self._last_update is not None:  # its objects are the mailbox's: they outlive a lost attempt
             try:
@@ -243,9 +242,7 @@ class RLRun:
     def _drop_lost_engine(self, error: RolloutEngineError, hosts: list[Any]) -> None:
         """Colocated: an engine that failed because one of its workers `hosts` died with a trainer worker
         is dropped when the trainer restarts (FailureConfig); any other failure is raised."""
-        from tpuray.rl.colocate import HostedGroup
-
-        if not self._trainer.restarts or HostedGroup(hosts).all_alive():
+        if not self._trainer.restarts or all_alive(hosts):
             raise error
         logger.warning(
             "tpuray.rl: the colocated engine failed with a trainer worker (%s); the restarted trainer's "
@@ -352,7 +349,7 @@ class RLRun:
             "unlimited" if self.config.rollout_max_failures == -1 else self.config.rollout_max_failures,
         )
         self._shutdown_engine()
-        self._engine = RolloutEngine(self.config.rollout)
+        self._engine = rollout_engine(self.config.rollout)
         sync.replace_engine()  # tpu_dist: the trainer's ranks send their last update again, into it
         if self._last_update is None:
             return
@@ -379,8 +376,6 @@ class RLRun:
         self._load(engine, sync, update)
 
     def _load(self, engine: RolloutEngine, sync: WeightSync, update: Any) -> None:
-        from tpuray.rl.weights.check import WeightMismatchError
-
         try:
             engine.update_weights(update)  # checked by the engine's workers before anything is staged
         except WeightMismatchError as e:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from _rl_util import state_dict
 
+from tpuray.rl.rollout.embedded_worker import _Holder
 from tpuray.rl.weights.check import WeightMismatchError, check_shards
 from tpuray.rl.weights.cut import shard_state, trainer_pieces
 from tpuray.rl.weights.join import assemble, copy_shards
 from tpuray.rl.weights.rows import Rows, owned, write
-from tpuray.rl.worker import _Holder
 
 
 def test_rows_stack_like_cat_and_write_each_block_once():

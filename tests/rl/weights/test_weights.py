@@ -68,7 +68,7 @@ sys.meta_path.insert(0, NoRay())
 import torch
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.rl.weights.layout import engine_tensors
-from tpuray.rl.worker import RunnerWeights
+from tpuray.rl.rollout.embedded_worker import RunnerWeights
 from tpuray.serve.llm.engine.embedded.model import load_state_dict
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 

@@ -66,8 +66,8 @@ CHILD = """
 import sys, ray, torch
 from transformers import AutoModelForCausalLM
 from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
-from tpuray.rl.vllm_rollout import SleepModeUnavailable, VLLMRolloutEngine
-from tpuray.rl.vllm_worker import pack_state
+from tpuray.rl.rollout.vllm import SleepModeUnavailable, VLLMRolloutEngine
+from tpuray.rl.rollout.vllm_worker import pack_state
 from tpuray.serve.llm.generation import SamplingParams
 from tpuray.train import RunConfig, ScalingConfig
 

@@ -5,7 +5,7 @@ A chip is opened by one process, so vLLM cannot start workers of its own on the 
 `external_launcher` executor is made for this: each trainer worker builds `vllm.LLM` in its process
 (engine core in process, no child), with the trainer's default process group as vLLM's world, from which
 vLLM makes its tensor-parallel group; the driver reaches each rank through Ray's `__ray_call__`
-(`colocate.HostedGroup`). Every rank runs the same `generate` over the same prompts (vLLM's external
+(`hosted.HostedGroup`; each rank, a `HostedVLLM`, owned by its worker actor). Every rank runs the same `generate` over the same prompts (vLLM's external
 launcher needs identical, seeded requests on all ranks) and rank 0's outputs are returned. Updates: each
 rank takes its own pieces of a `TrainerUpdate` (from the object store, or over tpu_dist left in its
 process by its trainer rank: `tpuray.rl.sync.handover`), or all of a full state dict put once, through
@@ -25,12 +25,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpuray.rl.colocate import ColocatedRolloutEngine, HostedGroup
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import Rollout, RolloutEngineError, is_state_dict
+from tpuray.rl.rollout.engine import Rollout, RolloutEngineError, is_state_dict
+from tpuray.rl.rollout.hosted import ColocatedEngine, HostedGroup, host_rank, hosted_rank
+from tpuray.rl.rollout.vllm import stage_refusal, vllm_params
+from tpuray.rl.rollout.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.sync.update import TrainerUpdate
-from tpuray.rl.vllm_rollout import stage_refusal, vllm_params
-from tpuray.rl.vllm_worker import EXTENSION, pack_state
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
@@ -130,23 +130,22 @@ class HostedVLLM:
         destroy_model_parallel()  # vLLM's groups; the trainer's default process group stays
 
 
-_hosted: HostedVLLM | None = None  # in a trainer worker's process: its vLLM rank
-
-
 def _on_host(actor: Any, method: str, *args: Any) -> Any:
-    """Runs in a trainer worker (through `__ray_call__`): `method` of this process's vLLM rank."""
-    global _hosted
+    """Runs in a trainer worker (through `__ray_call__`): `method` of the `HostedVLLM` rank the worker
+    hosts ("load" makes it, "unload" drops it)."""
+    hosted = hosted_rank(actor)
     if method == "unload":
-        hosted, _hosted = _hosted, None
+        host_rank(actor, None)
         if hosted is not None:
             hosted.unload()
         return None
     if method == "load":
-        _hosted = HostedVLLM(*args)
-        return _hosted.info()
-    if _hosted is None:
+        hosted = HostedVLLM(*args)
+        host_rank(actor, hosted)
+        return hosted.info()
+    if hosted is None:
         raise RuntimeError(f"colocated vLLM: {method} before load")
-    return getattr(_hosted, method)(*args)
+    return getattr(hosted, method)(*args)
 
 
 def disagreement(tokens: Sequence[Sequence[Sequence[int]]]) -> str | None:
@@ -157,12 +156,6 @@ def disagreement(tokens: Sequence[Sequence[Sequence[int]]]) -> str | None:
             if list(mine) != list(first):
                 return f"prompt {i}: rank 0 {list(first)}, rank {rank} {list(mine)}"
     return None
-
-
-class _HostedVLLMGroup(HostedGroup):
-    """HostedGroup whose calls reach `HostedVLLM` (this module's `_on_host`)."""
-
-    host_call = staticmethod(_on_host)
 
 
 class _HostedVLLMGeneration(PromptEncoder):
@@ -179,7 +172,7 @@ class _HostedVLLMGeneration(PromptEncoder):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         engine_args, _ = split_engine_kwargs(config.llm_config)
         engine_args.setdefault("seed", 0)  # every rank samples alike only with one seed
-        self.group = _HostedVLLMGroup(hosts)
+        self.group = HostedGroup(hosts, _on_host)
         try:
             info = ray.get(self.group.call("load", path, engine_args))
         except BaseException:
@@ -203,11 +196,11 @@ class _HostedVLLMGeneration(PromptEncoder):
         self.group.shutdown()
 
 
-class ColocatedVLLMEngine(ColocatedRolloutEngine):
+class ColocatedVLLMEngine(ColocatedEngine):
     """`RolloutEngine`'s API over vLLM running in the trainer's workers `hosts` (their actor handles,
-    rank order; see the module docstring). Made by `RLRun` for a colocated vLLM run."""
+    rank order; see the module docstring). Made by `tpuray.rl.rollout_engine(config, hosts)` for a
+    colocated vLLM run."""
 
-    engine_name = "vllm-colocated"  # never a RolloutConfig's resolved_engine: RLRun makes it by name
     _engine: _HostedVLLMGeneration
 
     def _start_engine(self, config: RolloutConfig) -> _HostedVLLMGeneration:

@@ -1,10 +1,10 @@
 """`VLLMRolloutEngine`: `RolloutEngine`'s API (generate, update_weights, sleep / wake_up, shutdown) over
-vLLM's engine, what `RolloutEngine(config)` returns where `config.resolved_engine` is "vllm".
+vLLM's engine, what `tpuray.rl.rollout_engine(config)` returns where `config.resolved_engine` is "vllm".
 
 vLLM starts as a serving replica starts it (`tpuray.serve.llm.engine.vllm.VLLMEngine`: vLLM's AsyncLLM,
 on this machine's CPU or on a TPU slice it reserves atomically, one vLLM worker per chip, tpuray's
 emulated-TPU platform plugin on emulated slices), with tpuray's worker extension
-(`tpuray.rl.vllm_worker.WeightsExtension`) in every worker; generation goes straight to AsyncLLM (no
+(`tpuray.rl.rollout.vllm_worker.WeightsExtension`) in every worker; generation goes straight to AsyncLLM (no
 HTTP). `update_weights` checks the state dict on the driver, then `collective_rpc` stages it on every
 rank (checked again there) and, only when all staged, loads it in place (vLLM's `reload_weights`), then
 resets vLLM's prefix cache (its KV blocks were computed with the old weights).
@@ -21,18 +21,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.engine import RolloutEngine, UpdateStats, lost_update
-from tpuray.rl.protocol import GenerationEngine
+from tpuray.rl.rollout.engine import RolloutEngine, lost_update
+from tpuray.rl.rollout.protocol import GenerationEngine
+from tpuray.rl.rollout.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.sync.collective import Channel
 from tpuray.rl.sync.driver import on_this_node
 from tpuray.rl.sync.update import TrainerUpdate
-from tpuray.rl.vllm_worker import EXTENSION, LOST, pack_state
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
 from tpuray.serve.llm.generation import PromptEncoder, SamplingParams, SeqOutput
@@ -89,7 +88,7 @@ def vllm_params(params: SamplingParams, index: int) -> Any:
 
 
 def stage_refusal(staged: list[Any], version: int) -> Exception | None:
-    """What the vLLM ranks' stage results say (tpuray.rl.vllm_worker): None when every rank staged; else
+    """What the vLLM ranks' stage results say (tpuray.rl.rollout.vllm_worker): None when every rank staged; else
     the UpdateLostError of pieces lost with their sender, or the WeightMismatchError a rank returned."""
     refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
     lost = [r[1] for r in staged if isinstance(r, list | tuple) and r and r[0] == LOST]
@@ -168,9 +167,9 @@ class _PieceHolder:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """`RolloutEngine` over vLLM (see the module docstring); made by `RolloutEngine(config)`."""
+    """`RolloutEngine` over vLLM (see the module docstring); made by `tpuray.rl.rollout_engine(config)`
+    where `config.resolved_engine` is "vllm"."""
 
-    engine_name = "vllm"
     updates_while_asleep = False  # refused asleep: after sleep(level=2), wake_up, then update_weights
 
     _engine: VLLMGeneration
@@ -180,42 +179,36 @@ class VLLMRolloutEngine(RolloutEngine):
     def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
         return VLLMGeneration(config)
 
-    def update_weights(self, update: Any) -> UpdateStats:
-        """Load a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
-        `model.state_dict()`) into every vLLM worker, or a `TrainerUpdate` (`tpuray.rl.sync`, an RLRun's
-        trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.weights.vllm_layout`), of which each worker
-        takes only the pieces of its own part: pulled from the object store (weight_sync="object_store")
-        or received over the update's tpu_dist group, which the worker joins (weight_sync="tpu_dist",
-        `tpuray.rl.sync.collective`). Every name and
-        shape is checked before anything is written (a state dict here, and on each rank before any rank
-        loads): WeightMismatchError names the first missing, unknown or misshapen tensor and the engine
-        keeps its current weights. `ShardedUpdate`s and bare ObjectRefs are the embedded engine's
+    def _check_update(self, update: Any) -> None:
+        """A full state dict with Hugging Face names goes to every vLLM worker; a `TrainerUpdate` (an
+        RLRun's trainer ranks, cut in vLLM's tensor-parallel layout: `tpuray.rl.weights.vllm_layout`) gives
+        each worker only the pieces of its own part: pulled from the object store
+        (weight_sync="object_store") or received over the update's tpu_dist group, which the worker joins
+        (weight_sync="tpu_dist", `tpuray.rl.sync.collective`). Names and shapes are checked here and on
+        each rank before any rank loads. `ShardedUpdate`s and bare ObjectRefs are the embedded engine's
         (`RolloutConfig(engine="embedded")`)."""
-        self._check_open("update_weights")
-        start = time.perf_counter()
-        args: tuple = ()
         if isinstance(update, TrainerUpdate):
             self._check_parallel(update)
-            method = "tpuray_stage_pieces"
         elif isinstance(update, Mapping):
             check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
-            method, args = "tpuray_stage_weights", (pack_state(update),)
         else:
             raise WeightMismatchError(
                 f"the vLLM rollout engine takes a state dict (name -> torch.Tensor) or a TrainerUpdate, got "
                 f"{type(update).__name__}; ShardedUpdate / ObjectRef updates need engine='embedded'"
             )
-        with self._lock:
-            if self._asleep:
-                raise RuntimeError("RolloutEngine.update_weights while asleep (vLLM): call wake_up() first")
-            try:
-                if isinstance(update, TrainerUpdate):  # parked only once nothing else can refuse it
-                    args = self._park(update)
-                written = self._loop.run(self._load(method, args))
-            finally:
-                self._drop_pieces()
-            self.version += 1
-        return UpdateStats(written, time.perf_counter() - start, self.version)
+
+    def _load_update(self, update: Any) -> int:
+        if self._asleep:
+            raise RuntimeError("RolloutEngine.update_weights while asleep (vLLM): call wake_up() first")
+        args: tuple[Any, ...]
+        try:
+            if isinstance(update, TrainerUpdate):  # parked only once nothing else can refuse it
+                method, args = "tpuray_stage_pieces", self._park(update)
+            else:
+                method, args = "tpuray_stage_weights", (pack_state(update),)
+            return self._loop.run(self._load(method, args))
+        finally:
+            self._drop_pieces()
 
     def _park(self, update: TrainerUpdate) -> tuple[str, str]:
         """Park each rank's ObjectRefs (or tpu_dist offers, with the group's channel) in a named holder
@@ -249,7 +242,7 @@ class VLLMRolloutEngine(RolloutEngine):
             ray.kill(holder)
         super().shutdown()
 
-    async def _load(self, method: str, args: tuple) -> int:
+    async def _load(self, method: str, args: tuple[Any, ...]) -> int:
         client = self._engine.client
         try:
             staged = await client.collective_rpc(method, args=args)

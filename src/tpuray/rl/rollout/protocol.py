@@ -1,20 +1,26 @@
 """`GenerationEngine`: what a `RolloutEngine` drives to generate, as a typed Protocol.
 
-tpuray's embedded engine (`EmbeddedEngine`) satisfies it as it is; `tpuray.rl.vllm_rollout.VLLMGeneration`
+tpuray's embedded engine (`EmbeddedEngine`) satisfies it as it is; `tpuray.rl.rollout.vllm.VLLMGeneration`
 is the same interface over vLLM's engine. Weight updates and sleep / wake-up are the rollout engine's own
-(`RolloutEngine` for the embedded engine, `VLLMRolloutEngine` through a vLLM worker extension)."""
+(`EmbeddedRolloutEngine` through its workers, `VLLMRolloutEngine` through a vLLM worker extension), each
+sleep level checked by `check_sleep_level`."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
+from tpuray.rl.config import SLEEP_LEVELS
 from tpuray.serve.llm.generation import SamplingParams
 
-SleepLevel = Literal[1, 2]
-"""How a rollout engine sleeps (vLLM's levels): 1, its weights copied to host memory first; 2, discarded
-(the next update must replace them all before it generates again). Either way the KV cache is dropped."""
-SLEEP_LEVELS: tuple[int, ...] = get_args(SleepLevel)
+
+def check_sleep_level(level: Any) -> None:
+    """ValueError naming a sleep level that is not one of SLEEP_LEVELS."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(
+            f"sleep(level={level!r}) is invalid; valid: 1 (weights kept in host memory), 2 (weights "
+            "discarded: update_weights with the full state before the next generate)"
+        )
 
 
 class SeqChunk(Protocol):

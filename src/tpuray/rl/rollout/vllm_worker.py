@@ -2,7 +2,7 @@
 each of its workers (one per tensor-parallel rank), reached from the rollout engine with
 `collective_rpc`.
 
-An update is two-phase, like the embedded engine's (rl/worker.py): `tpuray_stage_weights` checks every
+An update is two-phase, like the embedded engine's (`embedded_worker`): `tpuray_stage_weights` checks every
 name and shape against the model's config.json with `tpuray.rl.weights.check.check_state` (the one check,
 shared with the embedded engine) and keeps the update; only when every rank staged does
 `tpuray_commit_weights` load it with vLLM's in-place reload (the model's own `load_weights`, whose
@@ -22,6 +22,7 @@ No top-level vllm import here: vLLM imports this module by its qualified name in
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,11 +31,13 @@ from typing import Any
 import torch
 
 from tpuray.rl.sync.collective import TransferError
+from tpuray.rl.sync.update import resolve_pieces
 from tpuray.rl.weights.buffers import BufferPool
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
-from tpuray.rl.weights.vllm_layout import SparseParts
+from tpuray.rl.weights.join import join_pieces
+from tpuray.rl.weights.vllm_layout import SparseParts, vllm_part
 
-EXTENSION = "tpuray.rl.vllm_worker.WeightsExtension"
+EXTENSION = "tpuray.rl.rollout.vllm_worker.WeightsExtension"
 LOST = "lost"  # tpuray_stage_pieces's [LOST, why]: the update's pieces were lost with their sender
 Packed = dict[str, tuple[str, list[int], bytes]]
 
@@ -79,7 +82,7 @@ class WeightsExtension:
 
     def tpuray_stage_pieces(self, holder: str, namespace: str) -> int | str | list[str]:
         """A TrainerUpdate's pieces for this rank (vLLM's tensor-parallel rank), taken from the named
-        holder actor (tpuray.rl.vllm_rollout) and joined into this rank's part of each HF tensor; returns
+        holder actor (tpuray.rl.rollout.vllm) and joined into this rank's part of each HF tensor; returns
         the bytes staged, or (as tpuray_stage_weights) the message naming the first missing, unknown or
         misshapen tensor, or [LOST, why] where the pieces could not be had (their sender died); nothing
         is staged then."""
@@ -97,15 +100,9 @@ class WeightsExtension:
 
     def tpuray_stage_refs(self, refs: list[Any], channel: Any) -> int | str | list[str]:
         """`tpuray_stage_pieces` with this rank's ObjectRefs (or tpu_dist offers and their channel) given:
-        called in process where vLLM runs in the caller's process (colocated: tpuray.rl.vllm_colocated)."""
-        import functools
-
+        called in process where vLLM runs in the caller's process (colocated: tpuray.rl.rollout.vllm_colocated)."""
         import ray
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        from tpuray.rl.sync.update import resolve_pieces
-        from tpuray.rl.weights.join import join_pieces
-        from tpuray.rl.weights.vllm_layout import vllm_part
 
         self._tpuray_parts = None
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()

@@ -1,4 +1,4 @@
-"""tpuray.rl.RolloutEngine over the embedded engine: in this process and tensor parallel on an emulated
+"""tpuray.rl.RolloutEngine over the embedded engine (`rollout_engine`): in this process and tensor parallel on an emulated
 v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights, sleep / wake_up."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tpuray.rl import (
     UpdateLostError,
     WeightMismatchError,
     put_shards,
+    rollout_engine,
 )
 from tpuray.serve.llm.generation import SamplingParams
 from tpuray.validation import ConfigError
@@ -39,7 +40,7 @@ def test_config_refuses_bad_values(tiny_models, kwargs, named):
 
 
 def test_generate_in_process_returns_tokens_logprobs_and_text(tiny_models):
-    with RolloutEngine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
+    with rollout_engine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
         sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
         rollouts = engine.generate(["1 + 2 ="] * 4, sampled)
         assert [len(r.token_ids) for r in rollouts] == [6] * 4
@@ -66,7 +67,7 @@ def test_generate_in_process_returns_tokens_logprobs_and_text(tiny_models):
 
 
 def test_update_weights_in_process(tiny_models, reference):
-    with RolloutEngine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
+    with rollout_engine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
         assert _greedy(engine) == reference["a"]
         stats = engine.update_weights(_state_dict(tiny_models[1]))
         assert stats.version == 1 and stats.bytes_written > 0
@@ -127,7 +128,7 @@ def test_rollout_engine_on_an_emulated_slice(emulated_cluster, pg_leak_check, ti
         max_model_len=64,
         max_num_seqs=4,
     )
-    engine = RolloutEngine(cfg)
+    engine = rollout_engine(cfg)
     try:
         assert engine.tensor_parallel_size == 2 and engine.group is not None
         assert engine.group.world_size == 2 and engine.describe()["emulated"]
@@ -242,9 +243,9 @@ def _send_half_and_die(engine: RolloutEngine, state: dict) -> None:
 def test_update_weights_casts_to_the_engine_dtype(tiny_models):
     """A float32 trainer state into a bfloat16 engine: the same tokens as the engine loaded from disk."""
     cfg = {"max_model_len": 64, "max_num_seqs": 4, "dtype": "bfloat16"}
-    with RolloutEngine(RolloutConfig(tiny_models[1], **cfg)) as engine:
+    with rollout_engine(RolloutConfig(tiny_models[1], **cfg)) as engine:
         want = _greedy(engine)
-    with RolloutEngine(RolloutConfig(tiny_models[0], **cfg)) as engine:
+    with rollout_engine(RolloutConfig(tiny_models[0], **cfg)) as engine:
         engine.update_weights(_state_dict(tiny_models[1]))
         assert _greedy(engine) == want
 
@@ -257,7 +258,7 @@ def test_a_dead_worker_fails_generate_and_shutdown_frees_the_slice(
     cfg = RolloutConfig(
         tiny_models[0], accelerator_type="TPU-V6E", topology="2x2", chips_per_worker=2, max_model_len=64
     )
-    engine = RolloutEngine(cfg)
+    engine = rollout_engine(cfg)
     try:
         assert engine.group is not None
         ray.kill(engine.group.actors[1], no_restart=True)

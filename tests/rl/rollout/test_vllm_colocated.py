@@ -1,4 +1,4 @@
-"""Colocated vLLM (tpuray.rl.vllm_colocated): an RLRun whose rollout engine is real vLLM (its CPU build)
+"""Colocated vLLM (tpuray.rl.rollout.vllm_colocated): an RLRun whose rollout engine is real vLLM (its CPU build)
 running inside the trainer's own worker processes on one emulated slice, vLLM's tensor parallelism over
 the trainer's ranks (vLLM's external launcher on the trainer's process group)."""
 
@@ -55,7 +55,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
 
     from _util import alive_actors
     from tpuray.rl import RLConfig, RLRun, RolloutConfig, WeightMismatchError
-    from tpuray.rl.vllm_colocated import ColocatedVLLMEngine
+    from tpuray.rl.rollout.vllm_colocated import ColocatedVLLMEngine
     from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig, ScalingConfig
 
@@ -105,7 +105,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
 
 
 def test_ranks_disagree_names_the_first_prompt_and_rank_apart():
-    from tpuray.rl.vllm_colocated import disagreement
+    from tpuray.rl.rollout.vllm_colocated import disagreement
 
     assert disagreement([[[1, 2], [3]], [[1, 2], [3]]]) is None
     assert disagreement([[[1, 2], [3]], [[1, 2], [3]], [[1, 2], [4]]]) == "prompt 1: rank 0 [3], rank 2 [4]"

@@ -1,12 +1,10 @@
 """`RolloutEngine`: batched generation for reinforcement learning, from Python (no HTTP), with weight
-updates and sleep / wake-up.
+updates and sleep / wake-up: the API every rollout engine has. `tpuray.rl.rollout_engine(config)` makes
+the one a `RolloutConfig` names (`factory`): `EmbeddedRolloutEngine` over tpuray's embedded engine
+(`embedded`), `VLLMRolloutEngine` over vLLM (`vllm`), or, for a colocated `RLRun`, either in the trainer's
+workers (`embedded_colocated`, `vllm_colocated`).
 
-It drives tpuray's embedded engine (`EmbeddedEngine`: continuous batching, tensor parallel over a slice's
-chips) directly: in this process on the CPU, or on a TPU slice it reserves atomically like a serving
-replica (a `SliceWorkerGroup` of `RolloutWorker`s, one per chip share). `shutdown()` stops the workers
-and releases the slice (also on a failed start).
-
-    engine = RolloutEngine(RolloutConfig(model_dir, accelerator_type="TPU-V6E", topology="2x2"))
+    engine = rollout_engine(RolloutConfig(model_dir, accelerator_type="TPU-V6E", topology="2x2"))
     rollouts = engine.generate(["1+2=", "3+4="], SamplingParams(max_tokens=8, temperature=1.0))
     engine.update_weights(policy.state_dict())      # checked against the engine's model first
     engine.shutdown()
@@ -21,20 +19,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tpuray.rl.config import RolloutConfig
-from tpuray.rl.protocol import GenerationEngine, SleepLevel
-from tpuray.rl.sync.collective import TransferError
+from tpuray.rl.config import RolloutConfig, SleepLevel
+from tpuray.rl.rollout.protocol import GenerationEngine, check_sleep_level
 from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.rl.weights.cut import ShardedUpdate
-from tpuray.rl.worker import RolloutWorker, RunnerWeights, check_sleep_level
-from tpuray.serve.llm import model_source
-from tpuray.serve.llm.engine.embedded.engine import EmbeddedEngine
 from tpuray.serve.llm.generation import SamplingParams
-from tpuray.slices.worker_group import SliceWorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -96,36 +88,23 @@ class UpdateStats:
     version: int
 
 
-class _RolloutEmbeddedEngine(EmbeddedEngine):
-    """EmbeddedEngine whose slice workers are `RolloutWorker`s (same start-up as EmbeddedEngine's)."""
-
-    worker_cls = RolloutWorker
-
-
 class RolloutEngine:
-    """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over the embedded engine
-    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock).
-    `RolloutEngine(config)` makes the subclass whose `engine_name` is `config.resolved_engine`
-    (`VLLMRolloutEngine` in tpuray.rl.vllm_rollout for "vllm", registered by importing `tpuray.rl`): the
-    same API over that engine."""
+    """Batched `generate`, `update_weights`, `sleep` / `wake_up` and `shutdown` over a generation engine
+    (see the module docstring). Not thread-safe for concurrent calls: one call at a time (a lock). Made by
+    `tpuray.rl.rollout_engine(config)`; each kind starts its engine (`_start_engine`) and loads updates
+    into its ranks (`_update_workers`, or `_load_update` as a whole)."""
 
-    engine_name = "embedded"
     updates_while_asleep = True  # update_weights works asleep (into the host copy): wake_up needs weights
 
-    def __new__(cls, config: RolloutConfig, *args: Any, **kwargs: Any) -> RolloutEngine:
-        wanted = getattr(config, "resolved_engine", cls.engine_name)
-        if cls is RolloutEngine and wanted != cls.engine_name:
-            for sub in cls.__subclasses__():
-                if sub.engine_name == wanted:
-                    return super().__new__(sub)
-            raise RuntimeError(f"no rollout engine registered for engine={wanted!r} (import tpuray.rl)")
-        return super().__new__(cls)
-
     def __init__(self, config: RolloutConfig) -> None:
+        if type(self) is RolloutEngine:
+            raise TypeError(
+                "RolloutEngine is the API every rollout engine has; make one with "
+                "tpuray.rl.rollout_engine(config)"
+            )
         if not isinstance(config, RolloutConfig):
             raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
         self.config = config
-        path = Path(model_source.resolve(config.model_source))
         self.model_config: dict[str, Any] = config.model_config()
         self._lock = threading.Lock()
         self._loop = asyncio.Runner()
@@ -134,19 +113,15 @@ class RolloutEngine:
         self._closed = False
         self.failure: BaseException | None = None  # a dead worker, ranks out of step: unusable
         self.version = 0  # weight updates committed
-        self._local: RunnerWeights | None = None
         try:
             self._engine: GenerationEngine = self._start_engine(config)
         except BaseException:
             self._loop.close()
             raise
-        if self._engine.runner is not None:
-            self._local = RunnerWeights(self._engine.runner, path, rank=0, world_size=1)
 
     def _start_engine(self, config: RolloutConfig) -> GenerationEngine:
-        return _RolloutEmbeddedEngine(
-            config.llm_config, use_actors=config.on_slice, reservation_timeout_s=config.reservation_timeout_s
-        )
+        """Start the generation engine this kind drives (reserving its slice where it has one)."""
+        raise NotImplementedError
 
     # -- info ---------------------------------------------------------------------------------------------
     @property
@@ -158,8 +133,9 @@ class RolloutEngine:
         return self.config.tensor_parallel_size
 
     @property
-    def group(self) -> SliceWorkerGroup | None:
-        """The slice's worker group (None in this process)."""
+    def group(self) -> Any:
+        """The engine's worker group: a slice's `SliceWorkerGroup`, the trainer's workers (colocated) or
+        None (in this process, or vLLM's own workers)."""
         return self._engine.group
 
     @property
@@ -261,49 +237,46 @@ class RolloutEngine:
     # -- weights ------------------------------------------------------------------------------------------
     def update_weights(self, update: Any) -> UpdateStats:
         """Load new weights: a full state dict with Hugging Face names (name -> tensor, e.g. a trainer's
-        `model.state_dict()`), a dict of name -> ObjectRef of a tensor, or an ObjectRef of either.
+        `model.state_dict()`) or a `TrainerUpdate` (`tpuray.rl.sync`: sent by the ranks of a
+        `tpuray.train` run, each rank assembling its part from the pieces every trainer rank sent it);
+        the embedded engine also takes a dict of name -> ObjectRef of a tensor, an ObjectRef of either, or
+        a `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives: each rank receives
+        only its part). A pre-cut update's tensor_parallel_size must be the engine's.
 
         Every name and shape is checked against the engine's model before anything is written: a missing,
         unknown or misshapen tensor raises WeightMismatchError naming it and the expected shape, and the
-        engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice the update
+        engine keeps its current weights. Tensors are cast to the engine's dtype. On a slice a state dict
         goes through Ray's object store (put once; every worker pulls it and keeps only its own
-        tensor-parallel shard). A `ShardedUpdate` (`tpuray.rl.put_shards`, run where the state dict lives)
-        sends each rank only its part; its tensor_parallel_size must be the engine's. A `TrainerUpdate`
-        (`tpuray.rl.sync`: sent by the ranks of a `tpuray.train` run) too: each rank assembles its part
-        from the pieces every trainer rank sent it."""
-        import ray
-
+        tensor-parallel part)."""
         self._check_open("update_weights")
         start = time.perf_counter()
-        if isinstance(update, ShardedUpdate | TrainerUpdate):
-            self._check_parallel(update)
-            if isinstance(update, TrainerUpdate) and update.channel is not None and self._local is not None:
-                raise ValueError(
-                    "a TrainerUpdate over weight_sync='tpu_dist' needs the engine's workers on a slice "
-                    "(RolloutConfig accelerator_type and topology); valid here: weight_sync='object_store'"
-                )
-        elif is_state_dict(update):
-            check_state(shapes_of(update), self.model_config)  # refused here, before any transfer
+        self._check_update(update)
         with self._lock:
-            if self._local is not None:
-                try:
-                    if isinstance(update, ShardedUpdate):
-                        self._local.stage_shards(update.refs[0])
-                    elif isinstance(update, TrainerUpdate):
-                        self._local.stage_pieces(update.refs[0])
-                    else:
-                        self._local.stage(update)
-                    written = self._local.commit()
-                finally:
-                    self._local.discard()
-            else:
-                try:
-                    written = self._update_workers(update)
-                except ray.exceptions.RayActorError as e:
-                    raise self._failed(e) from e
+            written = self._load_update(update)
             self.version += 1
             self._discarded = False
         return UpdateStats(written, time.perf_counter() - start, self.version)
+
+    def _check_update(self, update: Any) -> None:
+        """Refuse an update before any transfer: a pre-cut one for another tensor-parallel size, a state
+        dict whose names or shapes differ from the model's (WeightMismatchError)."""
+        if isinstance(update, ShardedUpdate | TrainerUpdate):
+            self._check_parallel(update)
+        elif is_state_dict(update):
+            check_state(shapes_of(update), self.model_config)
+
+    def _load_update(self, update: Any) -> int:
+        """Stage `update` on every rank, then commit it (all or nothing); the bytes written. Runs under the
+        lock; a dead worker fails the engine (RolloutEngineError)."""
+        import ray
+
+        try:
+            return self._update_workers(update)
+        except ray.exceptions.RayActorError as e:
+            raise self._failed(e) from e
+
+    def _update_workers(self, update: Any) -> int:
+        raise NotImplementedError
 
     def _check_parallel(self, update: ShardedUpdate | TrainerUpdate) -> None:
         """A pre-cut update must be cut for this engine's tensor-parallel size (WeightMismatchError)."""
@@ -312,31 +285,6 @@ class RolloutEngine:
                 f"a {type(update).__name__} for tensor_parallel_size={update.tensor_parallel_size}; "
                 f"this engine runs tensor_parallel_size={self.tensor_parallel_size}"
             )
-
-    def _update_workers(self, update: Any) -> int:
-        import ray
-
-        group = self._engine.group
-        if group is None:
-            raise RuntimeError("RolloutEngine.update_weights after shutdown()")
-        try:
-            if isinstance(update, ShardedUpdate):  # rank r pulls only refs[r]
-                ray.get(group.call_each("stage_shards", [(ref,) for ref in update.refs]))
-            elif isinstance(update, TrainerUpdate):  # rank r pulls the pieces addressed to it
-                args = [(list(refs), update.channel) for refs in update.refs]
-                ray.get(group.call_each("stage_pieces", args))
-            else:
-                ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
-                ray.get(group.call("stage_weights", ref))
-        except ray.exceptions.RayTaskError as e:
-            ray.get(group.call("discard_weights"))
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, WeightMismatchError):
-                raise WeightMismatchError(str(cause)) from None
-            if isinstance(cause, ray.exceptions.ObjectLostError | TransferError):
-                raise lost_update(self.version, f"{type(cause).__name__}: {cause}") from None
-            raise
-        return sum(ray.get(group.call("commit_weights")))
 
     # -- sleep / wake-up ----------------------------------------------------------------------------------
     def sleep(self, level: SleepLevel = 1) -> int:
@@ -363,10 +311,9 @@ class RolloutEngine:
             return retaken
 
     def _on_ranks(self, method: str, *args: Any) -> int:
+        """`method` on every rank (sleep, wake_up): the sum of what they return."""
         import ray
 
-        if self._local is not None:
-            return int(getattr(self._local, method)(*args))
         assert self._engine.group is not None
         try:
             return sum(ray.get(self._engine.group.call(method, *args)))
@@ -379,7 +326,6 @@ class RolloutEngine:
         if self._closed:
             return
         self._closed = True
-        self._local = None  # drops the in-process runner's weights with the engine
         try:
             group = self._engine.group
             if group is not None and self.failure is not None:

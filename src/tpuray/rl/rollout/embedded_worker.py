@@ -18,23 +18,16 @@ from typing import Any
 
 import torch
 
-from tpuray.rl.protocol import SLEEP_LEVELS
+from tpuray.rl.rollout.protocol import check_sleep_level
+from tpuray.rl.sync import handover
+from tpuray.rl.sync.update import resolve_pieces
 from tpuray.rl.weights import rows
 from tpuray.rl.weights.check import WeightMismatchError, check_shards, check_state, shapes_of
 from tpuray.rl.weights.cut import shard_state
-from tpuray.rl.weights.join import copy_shards
+from tpuray.rl.weights.join import assemble, copy_shards
 from tpuray.rl.weights.layout import engine_tensors
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.worker import EngineWorker
-
-
-def check_sleep_level(level: Any) -> None:
-    """ValueError naming a sleep level that is not one of SLEEP_LEVELS."""
-    if isinstance(level, bool) or level not in SLEEP_LEVELS:
-        raise ValueError(
-            f"sleep(level={level!r}) is invalid; valid: 1 (weights kept in host memory), 2 (weights "
-            "discarded: update_weights with the full state before the next generate)"
-        )
 
 
 def _is_ref(x: Any) -> bool:
@@ -108,14 +101,9 @@ class RunnerWeights:
         `TrainerUpdate`'s refs for this rank; received over its tpu_dist `channel` when it has one);
         checked like `stage_shards`. A colocated hand-over's marker (`tpuray.rl.sync.handover.Handed`) stages
         the shards the trainer rank in this process left for it, owned."""
-        from tpuray.rl.sync import handover
-
         self.staged = None
         if handover.is_handed(refs):
             return self.stage_shards(handover.take(list(refs)), owned=True)
-        from tpuray.rl.sync.update import resolve_pieces
-        from tpuray.rl.weights.join import assemble
-
         pieces = resolve_pieces(refs, channel, self.rank)
         # row blocks over the received buffers: committed or discarded before the next update reuses them
         shards = assemble(pieces, self.config, self.rank, self.world_size, deferred=True)
@@ -226,7 +214,7 @@ class _Holder:
 
 class RolloutWorker(EngineWorker):
     """An `EngineWorker` (one tensor-parallel rank of the embedded engine) that takes weight updates and
-    can sleep. Started by `RolloutEngine` in a `SliceWorkerGroup`."""
+    can sleep. Started by `EmbeddedRolloutEngine` in a `SliceWorkerGroup`."""
 
     def __init__(self) -> None:
         super().__init__()
