@@ -16,8 +16,7 @@ such as veRL, SkyRL or OpenRLHF to build on; not an RL algorithm library. See do
 
 from __future__ import annotations
 
-from tpuray.rl.config import RolloutConfig
-from tpuray.rl.rl_config import RLConfig
+from tpuray.rl.config import RLConfig, RolloutConfig
 from tpuray.rl.rollout.engine import Rollout, RolloutEngine, RolloutEngineError, UpdateLostError, UpdateStats
 from tpuray.rl.rollout.factory import rollout_engine
 from tpuray.rl.run import IterationStats, RLResult, RLRun, RLRunError

@@ -4,7 +4,7 @@ one request (tpuray.slices.claim) so that both sides' reservations take claimed 
 
 from __future__ import annotations
 
-from tpuray.rl.rl_config import RLConfig
+from tpuray.rl.config import RLConfig
 from tpuray.slices.claim import SliceClaim
 from tpuray.topology import SliceTopology
 

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tpuray.rl.config import RLConfig
 from tpuray.rl.reserve import capacity_shortfall, claim_slices
 from tpuray.rl.result import IterationStats, RLResult, RLRunError
-from tpuray.rl.rl_config import RLConfig
 from tpuray.rl.rollout.engine import RolloutEngine, RolloutEngineError, UpdateLostError
 from tpuray.rl.rollout.factory import rollout_engine
 from tpuray.rl.rollout.hosted import all_alive
