@@ -87,7 +87,8 @@ def _bench_sync(args: argparse.Namespace, root: Path) -> tuple[float, float, flo
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from transformers import AutoModelForCausalLM
 
-    from tpuray.rl import grpo, put_shards, rollout_engine
+    from tpuray.demo import grpo
+    from tpuray.rl import put_shards, rollout_engine
 
     path = _model(args, root)
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
@@ -181,7 +182,8 @@ def bench_transports(args: argparse.Namespace) -> dict[str, tuple[float, float, 
 
 
 def _sync_run(path: Path, transport: str, rounds: int, engine: str) -> tuple[float, int, int, int]:
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig, grpo
+    from tpuray.demo import grpo
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig
     from tpuray.train import RunConfig
 
     rollout, trainer = grpo.two_slices(str(path), max_num_seqs=4)
@@ -206,7 +208,8 @@ def bench_colocated(args: argparse.Namespace) -> dict[str, tuple[float, float, f
     RLRun (an FSDP2 trainer on the 2 workers x 2 chips of one emulated v6e 2x2 sends the same weights
     every iteration; the engine, TP=2, runs in those workers): (rollout seconds: wake-up, generating 8
     sequences of 16 tokens and sleep; sync seconds; iteration seconds; bytes sleep freed)."""
-    from tpuray.rl import RLConfig, RLRun, RolloutConfig, grpo
+    from tpuray.demo import grpo
+    from tpuray.rl import RLConfig, RLRun, RolloutConfig
     from tpuray.serve.llm.engine.vllm import vllm_available
     from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig
@@ -291,7 +294,7 @@ def _mean_of(results: dict[str, tuple[float, float, float, int]], label: str) ->
 
 
 def bench_iterations(iterations: int, *extra: str) -> list:
-    from tpuray.rl import grpo
+    from tpuray.demo import grpo
 
     return grpo.run(grpo.parse_args(["--iterations", str(iterations), *extra]))
 
@@ -443,7 +446,7 @@ def main() -> int:
         print_overlap(bench_overlap(args.iterations))
         return 0
     if args.only == "reward":  # the example in this process, as `python examples/rl_grpo.py` runs it
-        from tpuray.rl import grpo
+        from tpuray.demo import grpo
 
         print_reward(grpo.run(grpo.parse_args([])))
         return 0

@@ -82,9 +82,9 @@ def run_rl(workdir: Path) -> None:
     trainer's ranks and receives only the pieces of its own part ("object_store": it pulls them)."""
     from transformers import AutoModelForCausalLM
 
+    from tpuray.demo.grpo import two_slices
     from tpuray.models import build_tiny_causal_lm
     from tpuray.rl import RLConfig, RLRun, RolloutConfig
-    from tpuray.rl.grpo import two_slices
     from tpuray.serve.llm.generation import SamplingParams
     from tpuray.train import RunConfig
 

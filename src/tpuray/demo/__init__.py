@@ -5,7 +5,7 @@
 3. train it with tpuray's TorchTrainer: one worker per chip, DDP over `tpu_dist`, checkpoints;
 4. save it in Hugging Face format, serve it with `build_openai_app` (tensor parallel over the slice);
 5. send a chat completion with the `openai` client and print the answer;
-6. with `rl=True` (`tpuray demo --rl`), a second act on the same slice: GRPO (`tpuray.rl.grpo`) with the
+6. with `rl=True` (`tpuray demo --rl`), a second act on the same slice: GRPO (`tpuray.demo.grpo`) with the
    rollout engine tensor parallel over the slice, the reward printed per iteration;
 7. shut everything down.
 """
@@ -26,7 +26,7 @@ from tpuray.constants import DEMO_PORT_ENV
 from tpuray.validation import ConfigError
 
 MODEL_ID = "tpuray-demo"
-RL_SLICE = ("TPU-V6E", "2x2")  # the slice tpuray.rl.grpo's rollout engine takes (--slice)
+RL_SLICE = ("TPU-V6E", "2x2")  # the slice tpuray.demo.grpo's rollout engine takes (--slice)
 
 # The corpus the tiny model learns (written for this demo; chat-formatted so the served model answers).
 QA_PAIRS = [
@@ -55,7 +55,7 @@ class DemoConfig:
     quiet: bool = False
     verbose: bool = False  # stream Ray worker / Serve logs to the console
     engine: str = "auto"  # the serving engine: vLLM where installed (auto), or "vLLM" / "embedded"
-    rl: bool = False  # a second act: GRPO with the rollout engine on the slice (tpuray.rl.grpo)
+    rl: bool = False  # a second act: GRPO with the rollout engine on the slice (tpuray.demo.grpo)
     rl_iterations: int = 15  # GRPO iterations of the second act
 
     def __post_init__(self) -> None:
@@ -207,12 +207,12 @@ def run_demo(cfg: DemoConfig, logs: LogFile | None = None) -> str:
 
 def _rl_act(cfg: DemoConfig) -> None:
     """GRPO on the slice: the rollout engine (TP=2) samples, the trainer steps on this process's CPU,
-    the weights go back every iteration (tpuray.rl.grpo, the loop of examples/rl_grpo.py)."""
+    the weights go back every iteration (tpuray.demo.grpo, the loop of examples/rl_grpo.py)."""
     import contextlib
     import io
     import statistics
 
-    from tpuray.rl import grpo
+    from tpuray.demo import grpo
 
     _say(
         cfg,

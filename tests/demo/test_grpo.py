@@ -1,4 +1,4 @@
-"""examples/rl_grpo.py (tpuray.rl.grpo): GRPO with the rollout engine in this process (the mean reward rises) and on an
+"""examples/rl_grpo.py (tpuray.demo.grpo): GRPO with the rollout engine in this process (the mean reward rises) and on an
 emulated slice (the loop runs with TP=2 and weight sync every iteration; with the trainer on tpuray.train
 on the other slice, overlapped)."""
 
@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tpuray.rl import grpo
+from tpuray.demo import grpo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_grpo.py"
 
 
+def _example() -> dict:
+    """The example's names (its `main` guarded: nothing runs)."""
+    return runpy.run_path(str(EXAMPLE))
+
+
 def test_the_example_runs_the_package_loop():
-    assert runpy.run_path(str(EXAMPLE))["main"] is grpo.main
+    assert _example()["grpo"] is grpo
 
 
 def test_reward_and_advantages():
@@ -31,13 +36,14 @@ def test_reward_and_advantages():
         grpo.parse_args(["--overlap"])  # needs --trainer tpuray
     with pytest.raises(SystemExit):
         grpo.parse_args(["--trainer", "tpuray", "--overlap", "--colocate"])  # colocated phases take turns
+    example_args = _example()["parse_args"]  # the loop's options and the example's (the cluster it starts)
     for starts_no_slice in (
         ["--cores", "per_slice"],
         ["--slice", "--address", "x:1", "--cores", "per_slice"],
     ):
         with pytest.raises(SystemExit):
-            grpo.parse_args(starts_no_slice)
-    assert grpo.parse_args(["--trainer", "tpuray", "--overlap", "--cores", "per_slice"]).cores == "per_slice"
+            example_args(starts_no_slice)
+    assert example_args(["--trainer", "tpuray", "--overlap", "--cores", "per_slice"]).cores == "per_slice"
 
 
 def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):
@@ -48,7 +54,7 @@ def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "iter  29  mean_reward" in out and "logp_gap" in out
     png = tmp_path / "reward.png"
-    grpo.plot(means, str(png))
+    _example()["plot"](means, str(png))
     assert png.stat().st_size > 0
 
 

@@ -1,10 +1,11 @@
 """GRPO on a tiny local model with a verifiable reward: reply in exactly N words — the loop behind
 `examples/rl_grpo.py` and `tpuray demo --rl` (a toy that shows the substrate at work, not an RL
-algorithm library).
+algorithm library). `run(parse_args(argv))` runs it; with `--slice` or `--trainer tpuray` in a Ray
+cluster with TPU v6e 2x2 slices that the caller connected to (the example starts an emulated one).
 
 Usage (every option): `python examples/rl_grpo.py --help`.
 
-Each iteration: the rollout engine (`tpuray.rl.RolloutEngine`) samples a group of replies per prompt with
+Each iteration: the rollout engine (`tpuray.rl.rollout_engine`) samples a group of replies per prompt with
 their logprobs; the reward is 1 for exactly N words, less the further the count is from N; GRPO's
 advantage is the reward's z-score within its group; the trainer (plain PyTorch on this process's CPU:
 the same Hugging Face model the engine serves) takes one clipped policy-gradient step; the new weights
@@ -27,8 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from tpuray.emulator.spec import SLICE_CORES
 
 PROMPTS = ["Tell me about the sea", "Describe a cat", "What is a tree", "Say something"]
 
@@ -101,16 +100,24 @@ def run(args: argparse.Namespace) -> list[Iteration]:
 
 def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tpuray.models import build_tiny_causal_lm
-    from tpuray.rl import RolloutConfig, rollout_engine
-    from tpuray.serve.llm.generation import SamplingParams
 
     torch.manual_seed(args.seed)
     path = str(build_tiny_causal_lm(workdir / "policy", max_position_embeddings=256, seed=args.seed))
     if args.trainer == "tpuray":
         return run_on_trainer(args, path)
+    return run_on_driver(args, path)
+
+
+def run_on_driver(args: argparse.Namespace, path: str) -> list[Iteration]:
+    """GRPO with the trainer in this process (plain PyTorch on the CPU), the rollout engine here or
+    (`--slice`) tensor parallel on a v6e 2x2 slice; `--colocate`: it sleeps while the trainer steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tpuray.rl import RolloutConfig, rollout_engine
+
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     config = RolloutConfig(
@@ -127,42 +134,43 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[Iteration]:
             f"rollout engine: tensor_parallel_size={engine.tensor_parallel_size} on {engine.describe()['slice']}"
         )
         for it in range(args.iterations):
-            t0 = time.perf_counter()
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + it)
-            rollouts = engine.generate(PROMPTS, params, n=args.group)  # each prompt's group in turn
-            t1 = time.perf_counter()
-            rewards = [reward(r.text, args.words) for r in rollouts]
-            advantages = group_advantages(rewards, args.group)
-            t2 = time.perf_counter()
-            if args.colocate:  # hand the chips' memory to the trainer for its step
-                engine.sleep()
-            loss, gap = policy_step(policy, optimizer, rollouts, advantages)
-            for _ in range(args.epochs - 1):  # more clipped steps on the same rollouts (PPO-style)
-                loss, _ = policy_step(policy, optimizer, rollouts, advantages)
-            t3 = time.perf_counter()
-            stats = engine.update_weights(policy.state_dict())  # asleep: into the host copy
-            if args.colocate:
-                engine.wake_up()
-            t4 = time.perf_counter()
-            history.append(
-                Iteration(
-                    statistics.fmean(rewards),
-                    t1 - t0,
-                    t2 - t1,
-                    t3 - t2,
-                    t4 - t3,
-                    stats.bytes_written,
-                    t4 - t0,
-                )
-            )
-            print(
-                f"iter {it:3d}  mean_reward {history[-1].mean_reward:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
-                f"generate {t1 - t0:.2f}s reward {t2 - t1:.3f}s train {t3 - t2:.2f}s "
-                f"sync {t4 - t3:.2f}s ({stats.bytes_written / 1e6:.1f} MB)",
-                flush=True,
-            )
+            iteration, rollouts = _iteration(args, it, engine, policy, optimizer)
+            history.append(iteration)
         print("sample:", repr(rollouts[0].text))
     return history
+
+
+def _iteration(
+    args: argparse.Namespace, it: int, engine: Any, policy: Any, optimizer: Any
+) -> tuple[Iteration, list]:
+    """One iteration on the driver: generate, reward, train, sync; printed, and its rollouts."""
+    from tpuray.serve.llm.generation import SamplingParams
+
+    t0 = time.perf_counter()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1000 + it)
+    rollouts = engine.generate(PROMPTS, params, n=args.group)  # each prompt's group in turn
+    t1 = time.perf_counter()
+    rewards = [reward(r.text, args.words) for r in rollouts]
+    advantages = group_advantages(rewards, args.group)
+    t2 = time.perf_counter()
+    if args.colocate:  # hand the chips' memory to the trainer for its step
+        engine.sleep()
+    loss, gap = policy_step(policy, optimizer, rollouts, advantages)
+    for _ in range(args.epochs - 1):  # more clipped steps on the same rollouts (PPO-style)
+        loss, _ = policy_step(policy, optimizer, rollouts, advantages)
+    t3 = time.perf_counter()
+    stats = engine.update_weights(policy.state_dict())  # asleep: into the host copy
+    if args.colocate:
+        engine.wake_up()
+    t4 = time.perf_counter()
+    mean = statistics.fmean(rewards)
+    print(
+        f"iter {it:3d}  mean_reward {mean:.3f}  loss {loss:+.4f}  logp_gap {gap:.1e}  "
+        f"generate {t1 - t0:.2f}s reward {t2 - t1:.3f}s train {t3 - t2:.2f}s "
+        f"sync {t4 - t3:.2f}s ({stats.bytes_written / 1e6:.1f} MB)",
+        flush=True,
+    )
+    return Iteration(mean, t1 - t0, t2 - t1, t3 - t2, t4 - t3, stats.bytes_written, t4 - t0), rollouts
 
 
 def grpo_train_loop(config: dict) -> None:  # runs on tpuray.train workers (imported there by name)
@@ -265,118 +273,54 @@ def run_on_trainer(args: argparse.Namespace, path: str) -> list[Iteration]:
     return history
 
 
-def plot(means: list[float], png: str) -> None:
-    from tpuray.optional import require
-
-    matplotlib = require("matplotlib", "plot", "examples/rl_grpo.py --png")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(len(means)), means, marker="o")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("mean reward")
-    ax.set_title("GRPO on a tiny model: reply in exactly N words")
-    fig.tight_layout()
-    fig.savefig(png)
-    print(f"wrote {png}")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The loop's options (`parse_args` checks how they combine)."""
+    p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
+    p.add_argument(
         "--iterations", type=int, default=60, help="GRPO iterations (generate, reward, train, sync)"
     )
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
-    parser.add_argument("--words", type=int, default=3, help="the reward's target word count N")
-    parser.add_argument("--max-tokens", type=int, default=12, help="tokens sampled per reply at most")
-    parser.add_argument("--epochs", type=int, default=4, help="clipped policy steps per batch of rollouts")
-    parser.add_argument("--lr", type=float, default=1e-2, help="the policy optimizer's learning rate")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seeds the initial weights, training and sampling"
-    )
-    parser.add_argument("--slice", action="store_true", help="rollout engine on an emulated v6e 2x2 slice")
-    parser.add_argument(
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
+    p.add_argument("--words", type=int, default=3, help="the reward's target word count N")
+    p.add_argument("--max-tokens", type=int, default=12, help="tokens sampled per reply at most")
+    p.add_argument("--epochs", type=int, default=4, help="clipped policy steps per batch of rollouts")
+    p.add_argument("--lr", type=float, default=1e-2, help="the policy optimizer's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights, training and sampling")
+    p.add_argument("--slice", action="store_true", help="rollout engine on an emulated v6e 2x2 slice")
+    p.add_argument(
         "--colocate",
         action="store_true",
         help="sleep the rollout engine while the trainer steps (chip hand-over); with --trainer tpuray: "
         "RLConfig(placement='colocated'), one slice, the engine inside the trainer's workers",
     )
-    parser.add_argument(
+    p.add_argument(
         "--trainer",
         choices=("driver", "tpuray"),
         default="driver",
         help="driver: plain PyTorch in this process; tpuray: tpuray.train (FSDP2, 2 workers) on one emulated "
         "v6e 2x2 slice, the rollout engine on another (tpuray.rl.RLRun)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--overlap", action="store_true", help="--trainer tpuray: generate the next batch while training"
     )
-    parser.add_argument("--address", default=None, help="an existing Ray cluster with a v6e 2x2 slice")
-    parser.add_argument(
-        "--cores",
-        choices=SLICE_CORES,
-        default="shared",
-        help="the emulated slices it starts (--slice, --trainer tpuray) compute on every core (shared), or "
-        "each on cores of its own (per_slice: as real slices on their own chips, so that --overlap's two "
-        "phases do not slow each other down)",
-    )
-    parser.add_argument("--png", default=None, help="plot the mean reward per iteration to this file")
-    args = parser.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, p: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """`argv` parsed by `p` (`parser()` by default, or one that adds options to it), the loop's options
+    checked: SystemExit naming a value or combination that is invalid."""
+    p = p or parser()
+    args = p.parse_args(argv)
     for name in ("iterations", "group", "words", "max_tokens", "epochs"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid; valid: >= 1")
     if args.trainer == "tpuray" and args.slice:
-        parser.error(
+        p.error(
             "--trainer tpuray places both sides itself (two slices, or one with --colocate); drop --slice"
         )
     if args.overlap and args.colocate:
-        parser.error("--overlap and --colocate exclude each other (colocated phases take turns on the chips)")
-    if args.cores != "shared" and (args.address or not (args.slice or args.trainer == "tpuray")):
-        parser.error(
-            f"--cores {args.cores} applies to the emulated slices this example starts (--slice or "
-            "--trainer tpuray, without --address)"
-        )
+        p.error("--overlap and --colocate exclude each other (colocated phases take turns on the chips)")
     if args.overlap and args.trainer != "tpuray":
-        parser.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
+        p.error("--overlap needs --trainer tpuray (a trainer that runs while the engine generates)")
     return args
-
-
-def main(argv: list[str] | None = None) -> list[Iteration]:
-    args = parse_args(argv)
-    cluster = None
-    if args.slice or args.trainer == "tpuray":
-        import ray
-
-        if args.address:
-            ray.init(address=args.address)
-        else:
-            from tpuray.emulator import EmulatedCluster, SliceRequest
-
-            slices = 2 if args.trainer == "tpuray" else 1
-            two = [SliceRequest("TPU-V6E", "2x2", count=slices)]
-            cluster = EmulatedCluster(two, head_cpus=2, cores=args.cores)
-            cluster.start()
-            cluster.connect()
-    try:
-        history = run(args)
-    finally:
-        if cluster is not None:
-            import ray
-
-            ray.shutdown()
-            cluster.shutdown()
-    means = [it.mean_reward for it in history]
-    k = max(1, len(means) // 5)
-    print(
-        f"mean reward: first {k} iterations {statistics.fmean(means[:k]):.3f}, last {k} {statistics.fmean(means[-k:]):.3f}"
-    )
-    if args.png:
-        plot(means, args.png)
-    return history
-
-
-if __name__ == "__main__":
-    main()
