@@ -1,6 +1,6 @@
-"""examples/rl_grpo.py (tpuray.demo.grpo): GRPO with the rollout engine in this process (the mean reward rises) and on an
-emulated slice (the loop runs with TP=2 and weight sync every iteration; with the trainer on tpuray.train
-on the other slice, overlapped)."""
+"""examples/rl_grpo.py (tpuray.demo.grpo): GRPO with the rollout engine in this process (the mean reward
+rises) and on an emulated slice (the loop runs with TP=2 and weight sync every iteration; with the trainer on
+tpuray.train on the other slice, overlapped)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_grpo_in_process_raises_the_mean_reward(capsys, tmp_path):
 
 
 @pytest.mark.full(
-    "CI: the example's loop in process (test_grpo_in_process_raises_the_mean_reward), RLRun on slices (rl/test_sync.py, rl/test_placement.py)"
+    "CI: the example's loop in process (test_grpo_in_process_raises_the_mean_reward), RLRun on slices (rl/sync/test_sync.py, rl/test_placement.py)"
 )
 def test_grpo_on_an_emulated_slice(emulated_cluster, pg_leak_check, capsys):
     history = grpo.run(grpo.parse_args(["--iterations", "3", "--group", "4", "--slice", "--colocate"]))

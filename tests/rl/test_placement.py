@@ -256,7 +256,7 @@ def test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts(
 
 
 @pytest.mark.full(
-    "CI: a lost update's UpdateLostError on the slice engine (rl/test_rollout_engine.py), a trainer restart in an RLRun (test_trainer_worker_killed_restarts_from_its_checkpoint), a lost update without restarts (test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts)"
+    "CI: a lost update's UpdateLostError on the slice engine (rl/rollout/test_rollout_engine.py), a trainer restart in an RLRun (test_trainer_worker_killed_restarts_from_its_checkpoint), a lost update without restarts (test_update_lost_with_its_sender_ends_a_run_without_trainer_restarts)"
 )
 @pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
 def test_update_lost_with_its_sender_is_sent_again_by_the_restarted_trainer(

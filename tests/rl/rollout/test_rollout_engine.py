@@ -1,5 +1,5 @@
-"""tpuray.rl.RolloutEngine over the embedded engine (`rollout_engine`): in this process and tensor parallel on an emulated
-v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights, sleep / wake_up."""
+"""tpuray.rl.RolloutEngine over the embedded engine (`rollout_engine`): in this process and tensor parallel on
+an emulated v6e 2x2 slice (real Ray workers, real tpu_dist group): generate, update_weights, sleep / wake_up."""
 
 from __future__ import annotations
 

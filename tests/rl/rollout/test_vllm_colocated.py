@@ -1,5 +1,5 @@
-"""Colocated vLLM (tpuray.rl.rollout.vllm_colocated): an RLRun whose rollout engine is real vLLM (its CPU build)
-running inside the trainer's own worker processes on one emulated slice, vLLM's tensor parallelism over
+"""Colocated vLLM (tpuray.rl.rollout.vllm_colocated): an RLRun whose rollout engine is real vLLM (its CPU
+build) running inside the trainer's own worker processes on one emulated slice, vLLM's tensor parallelism over
 the trainer's ranks (vLLM's external launcher on the trainer's process group)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _hf_greedy(path: str, tokenizer) -> list[list[int]]:
 
 @pytest.mark.full(
     "CI: the colocated RLRun with the embedded engine (rl/test_placement.py), vLLM as a disaggregated "
-    "rollout engine (full tier: rl/test_vllm_rollout.py), vLLM's weight layout (rl/test_vllm_parts.py)"
+    "rollout engine (full tier: rl/rollout/test_vllm_rollout.py), vLLM's weight layout (rl/weights/test_vllm_layout.py)"
 )
 @pytest.mark.parametrize("weight_sync", ["object_store", "tpu_dist"])
 def test_colocated_vllm_takes_turns_with_the_trainer(

@@ -193,7 +193,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.full(
-    "CI: the RL run on slices with the embedded engine (rl/test_sync.py), vLLM serving on a slice (serve/test_vllm.py), vLLM's weight layout (rl/test_vllm_parts.py)"
+    "CI: the RL run on slices with the embedded engine (rl/sync/test_sync.py), vLLM serving on a slice (serve/test_vllm.py), vLLM's weight layout (rl/weights/test_vllm_layout.py)"
 )
 @pytest.mark.parametrize("weight_sync", ["tpu_dist", "object_store"])
 def test_vllm_rollouts_on_a_slice_in_an_rl_run(

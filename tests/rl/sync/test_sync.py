@@ -215,7 +215,7 @@ def test_rl_run_syncs_from_a_tpuray_train_run(
 
 
 @pytest.mark.full(
-    "CI: the FSDP2 run over tpu_dist with two engine replacements (test_rl_run_syncs_from_a_tpuray_train_run), a refused update (rl/test_rollout_engine.py)"
+    "CI: the FSDP2 run over tpu_dist with two engine replacements (test_rl_run_syncs_from_a_tpuray_train_run), a refused update (rl/rollout/test_rollout_engine.py)"
 )
 def test_ddp_runs_reload_or_resend_after_an_engine_loss_and_end_past_the_limit(
     emulated_cluster, pg_leak_check, tiny_models, reference, tmp_path

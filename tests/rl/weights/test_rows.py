@@ -1,5 +1,5 @@
-"""Staged shards as row blocks (tpuray.rl.weights.rows): a rollout rank's join and fuse describe its shards over
-the received pieces without copying them, and the commit writes each block into its rows once."""
+"""Staged shards as row blocks (tpuray.rl.weights.rows): a rollout rank's join and fuse describe its shards
+over the received pieces without copying them, and the commit writes each block into its rows once."""
 
 from __future__ import annotations
 

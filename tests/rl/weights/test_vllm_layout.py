@@ -1,7 +1,7 @@
-"""tpuray.rl.weights.vllm_layout: each vLLM tensor-parallel rank's part of every HF tensor (q/k/v with kv heads
-shared when there are fewer than ranks, gate/up, o/down columns, the padded vocab split), the parts of
-all ranks covering each tensor as vLLM holds it; and, against vLLM's own layers, that loading a rank's
-"sparse full" tensors (NaN outside its part) gives bit-identical parameters to loading the full tensors.
+"""tpuray.rl.weights.vllm_layout: each vLLM tensor-parallel rank's part of every HF tensor (q/k/v with kv
+heads shared when there are fewer than ranks, gate/up, o/down columns, the padded vocab split), the parts of
+all ranks covering each tensor as vLLM holds it; and, against vLLM's own layers, that loading a rank's "sparse
+full" tensors (NaN outside its part) gives bit-identical parameters to loading the full tensors.
 
 The vLLM check builds vLLM's parallel layers in this process, with no engine and no process group: it
 patches vLLM's `get_tensor_model_parallel_world_size` / `_rank` in the modules that read them (the layers

@@ -1,5 +1,5 @@
-"""tpuray.rl.weights (layout, cut, check): the HF-name -> engine-tensor mapping cuts exactly the shards `ShardedLlama` loads
-from disk (every TP rank), and the checks name the first mismatch."""
+"""tpuray.rl.weights (layout, cut, check): the HF-name -> engine-tensor mapping cuts exactly the shards
+`ShardedLlama` loads from disk (every TP rank), and the checks name the first mismatch."""
 
 from __future__ import annotations
 

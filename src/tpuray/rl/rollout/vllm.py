@@ -88,8 +88,8 @@ def vllm_params(params: SamplingParams, index: int) -> Any:
 
 
 def stage_refusal(staged: list[Any], version: int) -> Exception | None:
-    """What the vLLM ranks' stage results say (tpuray.rl.rollout.vllm_worker): None when every rank staged; else
-    the UpdateLostError of pieces lost with their sender, or the WeightMismatchError a rank returned."""
+    """What the vLLM ranks' stage results say (tpuray.rl.rollout.vllm_worker): None when every rank staged;
+    else the UpdateLostError of pieces lost with their sender, or the WeightMismatchError a rank returned."""
     refused = [r for r in staged if isinstance(r, str)]  # a worker's WeightMismatchError, returned
     lost = [r[1] for r in staged if isinstance(r, list | tuple) and r and r[0] == LOST]
     if lost:

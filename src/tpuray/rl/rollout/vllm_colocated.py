@@ -3,13 +3,14 @@ trainer's own worker processes, one tensor-parallel rank per trainer rank (veRL'
 
 A chip is opened by one process, so vLLM cannot start workers of its own on the trainer's slice. vLLM's
 `external_launcher` executor is made for this: each trainer worker builds `vllm.LLM` in its process
-(engine core in process, no child), with the trainer's default process group as vLLM's world, from which
-vLLM makes its tensor-parallel group; the driver reaches each rank through Ray's `__ray_call__`
-(`hosted.HostedGroup`; each rank, a `HostedVLLM`, owned by its worker actor). Every rank runs the same `generate` over the same prompts (vLLM's external
-launcher needs identical, seeded requests on all ranks) and rank 0's outputs are returned. Updates: each
-rank takes its own pieces of a `TrainerUpdate` (from the object store, or over tpu_dist left in its
-process by its trainer rank: `tpuray.rl.sync.handover`), or all of a full state dict put once, through
-tpuray's vLLM worker extension, called in process; then all commit (vLLM's `reload_weights`).
+(engine core in process, no child), with the trainer's default process group as vLLM's world, from which vLLM
+makes its tensor-parallel group; the driver reaches each rank through Ray's `__ray_call__`
+(`hosted.HostedGroup`; each rank, a `HostedVLLM`, owned by its worker actor). Every rank runs the same
+`generate` over the same prompts (vLLM's external launcher needs identical, seeded requests on all ranks) and
+rank 0's outputs are returned. Updates: each rank takes its own pieces of a `TrainerUpdate` (from the object
+store, or over tpu_dist left in its process by its trainer rank: `tpuray.rl.sync.handover`), or all of a full
+state dict put once, through tpuray's vLLM worker extension, called in process; then all commit (vLLM's
+`reload_weights`).
 
 sleep / wake_up: vLLM's own sleep mode where the platform has one; on vLLM's CPU backend (its CPU build
 and emulated TPU slices), which has none, each rank frees its KV cache's memory itself (the cache

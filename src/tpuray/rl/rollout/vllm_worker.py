@@ -12,10 +12,10 @@ can come back again from the next `collective_rpc`).
 
 A full state dict travels through vLLM's engine-core RPC (msgpack), which carries bytes but not tensors
 inside `collective_rpc` arguments: `pack_state` / `unpack_state` send each tensor as (dtype, shape, raw
-bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass
-the RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs (or tpu_dist offers) from a named holder actor
-and pulls them (or receives them over the update's tpu_dist group, which this worker joins at its first
-update): only its own pieces, cut in vLLM's layout (rl/weights/vllm_layout.py), joined straight into the sparse
+bytes), and every worker receives all of it. A `TrainerUpdate` (an RLRun's trainer ranks) does not pass the
+RPC: `tpuray_stage_pieces` takes this rank's ObjectRefs (or tpu_dist offers) from a named holder actor and
+pulls them (or receives them over the update's tpu_dist group, which this worker joins at its first update):
+only its own pieces, cut in vLLM's layout (rl/weights/vllm_layout.py), joined straight into the sparse
 full-shape tensors that commit loads (`SparseParts`: buffers kept from one update to the next).
 No top-level vllm import here: vLLM imports this module by its qualified name in every worker.
 """
@@ -100,7 +100,8 @@ class WeightsExtension:
 
     def tpuray_stage_refs(self, refs: list[Any], channel: Any) -> int | str | list[str]:
         """`tpuray_stage_pieces` with this rank's ObjectRefs (or tpu_dist offers and their channel) given:
-        called in process where vLLM runs in the caller's process (colocated: tpuray.rl.rollout.vllm_colocated)."""
+        called in process where vLLM runs in the caller's process (colocated:
+        tpuray.rl.rollout.vllm_colocated)."""
         import ray
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 

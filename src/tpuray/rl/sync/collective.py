@@ -13,13 +13,13 @@ The group is built with torch.distributed on a `PrefixStore` of a `TCPStore` the
 (`Rendezvous`), as a gloo group (`SyncGroup`): the buffers are host tensors, which "tpu_dist" refuses on
 real TPU hosts (TorchTPU's takes only tensors on the chip: "expected tensor to be on tpu, got cpu" on a
 v5e, tests/real_tpu/test_runtime.py) and on emulated ones (which mirror it). Gloo moves them over the
-hosts' network (DCN on real slices), as the emulated tpu_dist's gloo does underneath. Ranks: trainer
-rank r is group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its
-first transfer (`member`) and keeps the group until it exits (`tpuray.rl.sync.local`). A restarted trainer (attempt n, new worker
-processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
-engine's workers join it at their next transfer and close the lost attempt's group (`member`); so does
-a rollout engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's
-ranks, which close their group with the lost engine.
+hosts' network (DCN on real slices), as the emulated tpu_dist's gloo does underneath. Ranks: trainer rank r is
+group rank r, rollout rank q is group rank `trainer_world_size + q`. Every process joins at its first transfer
+(`member`) and keeps the group until it exits (`tpuray.rl.sync.local`). A restarted trainer (attempt n, new
+worker processes) forms a new group on the same store under its own prefix (`Channel.generation` = n): the
+engine's workers join it at their next transfer and close the lost attempt's group (`member`); so does a
+rollout engine that replaced a failed one (`Channel.engine`, its incarnation), with the trainer's ranks, which
+close their group with the lost engine.
 """
 
 from __future__ import annotations

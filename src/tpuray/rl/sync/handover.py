@@ -92,9 +92,9 @@ def rank_pieces(
     state: Mapping[str, torch.Tensor], rank: int, world_size: int, config: Mapping[str, Any], part: PartFn
 ) -> dict[str, Piece]:
     """This trainer rank's rollout rank's part of each tensor in the layout of `part` (vLLM's:
-    `tpuray.rl.weights.vllm_layout.vllm_part`), unfused, as the one piece a sender holding every row would send
-    it (`tpuray.rl.weights.cut.row_pieces`: its first row is 0), in a tensor of its own; for vLLM's worker,
-    which joins it as it joins received pieces (`join_pieces`). Checked as `rank_shards`."""
+    `tpuray.rl.weights.vllm_layout.vllm_part`), unfused, as the one piece a sender holding every row would
+    send it (`tpuray.rl.weights.cut.row_pieces`: its first row is 0), in a tensor of its own; for vLLM's
+    worker, which joins it as it joins received pieces (`join_pieces`). Checked as `rank_shards`."""
     check_state(shapes_of(state, dtensors=True), config)
     out: dict[str, Piece] = {}
     for name, t in state.items():

@@ -21,7 +21,8 @@ class BufferPool:
         self._buffers: dict[Hashable, torch.Tensor] = {}
 
     def flat(self, key: Hashable, nbytes: int) -> torch.Tensor:
-        """A flat byte buffer of `nbytes` kept under `key` (reused by the next call with that key and size)."""
+        """A flat byte buffer of `nbytes` kept under `key` (reused by the next call with that key and
+        size)."""
         b = self._buffers.get(key)
         if b is None or b.numel() != nbytes:
             b = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8)

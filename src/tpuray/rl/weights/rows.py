@@ -4,8 +4,8 @@ copies each block straight into its rows of the engine's weight: one copy of the
 join, the fuse and the commit made up to three (benchmarks/README.md, "Staged as row blocks"). On a
 chip too: each block is one host-to-chip copy into a row view of the weight.
 
-The blocks are views of the buffers the update was received into (`tpuray.rl.weights.buffers`), valid until the
-next update; an update is committed or discarded before the next one is received, so they hold.
+The blocks are views of the buffers the update was received into (`tpuray.rl.weights.buffers`), valid until
+the next update; an update is committed or discarded before the next one is received, so they hold.
 """
 
 from __future__ import annotations

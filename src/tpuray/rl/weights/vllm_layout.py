@@ -12,9 +12,9 @@ vLLM's tensor-parallel rank r of W holds, of each HF tensor, one block along one
   tied embeddings has no lm_head of its own (vLLM skips the name): its part is empty;
 - norms and o_proj's bias: replicated.
 
-`vllm_part` gives that block as (dim, lo, hi), in the form `tpuray.rl.weights.layout` uses for the
-embedded engine (`embedded_part`), so `trainer_pieces`, `join_pieces` and the transports work unchanged with it
-(pass `functools.partial(vllm_part, config=config)` as their `part`).
+`vllm_part` gives that block as (dim, lo, hi), in the form `tpuray.rl.weights.layout` uses for the embedded
+engine (`embedded_part`), so `trainer_pieces`, `join_pieces` and the transports work unchanged with it (pass
+`functools.partial(vllm_part, config=config)` as their `part`).
 
 vLLM 0.29's loaders cannot take an already-cut block: they always narrow what they are given by the
 worker's rank (weight_loader_v2, and the embedding's check of the full vocab). So a worker hands them,
