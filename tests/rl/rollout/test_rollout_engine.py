@@ -39,6 +39,18 @@ def test_config_refuses_bad_values(tiny_models, kwargs, named):
         RolloutConfig(tiny_models[0], **kwargs)
 
 
+def test_the_factory_makes_the_engine_the_config_names(tiny_models):
+    from tpuray.rl.rollout.embedded import EmbeddedRolloutEngine
+
+    config = RolloutConfig(tiny_models[0], engine="embedded", max_model_len=64, max_num_seqs=4)
+    with pytest.raises(TypeError, match=r"make one with tpuray.rl.rollout_engine\(config\)"):
+        RolloutEngine(config)
+    with pytest.raises(TypeError, match="config must be a RolloutConfig, got str"):
+        rollout_engine(tiny_models[0])
+    with rollout_engine(config) as engine:
+        assert type(engine) is EmbeddedRolloutEngine and isinstance(engine, RolloutEngine)
+
+
 def test_generate_in_process_returns_tokens_logprobs_and_text(tiny_models):
     with rollout_engine(RolloutConfig(tiny_models[0], max_model_len=64, max_num_seqs=4)) as engine:
         sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)

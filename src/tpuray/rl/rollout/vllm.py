@@ -39,7 +39,6 @@ from tpuray.serve.llm.generation import PromptEncoder, SamplingParams, SeqOutput
 logger = logging.getLogger(__name__)
 
 _NOT_VLLM = ("grammar",)  # tpuray SamplingParams fields vLLM's SamplingParams has not (by that name)
-_ids = itertools.count()
 
 
 class SleepModeUnavailable(RuntimeError):
@@ -109,6 +108,7 @@ class VLLMGeneration(PromptEncoder):
         from transformers import AutoTokenizer
 
         self.vllm = _RolloutVLLMEngine(config.llm_config, reservation_timeout_s=config.reservation_timeout_s)
+        self._ids = itertools.count()  # this engine's request ids
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.vllm.args.model)
         except BaseException:
@@ -132,7 +132,9 @@ class VLLMGeneration(PromptEncoder):
 
         final = None
         request = TokensPrompt(prompt_token_ids=prompt_ids)
-        async for out in self.client.generate(request, vllm_params(params, index), f"rollout-{next(_ids)}"):
+        async for out in self.client.generate(
+            request, vllm_params(params, index), f"rollout-{next(self._ids)}"
+        ):
             final = out
         assert final is not None  # FINAL_ONLY: one output, when the sequence ended
         seq = final.outputs[0]
