@@ -64,7 +64,7 @@ def test_greedy_tokens_equal_cpu_and_no_compilation_after_warmup(tpu, trained_mo
 def test_a_reused_cache_slot_gives_the_same_tokens(tpu, trained_model, highest_precision):
     """A slot's stale keys beyond its sequence are masked: on torch_tpu 0.2.0 a decode mask [B, 1, 1, L]
     (broadcast over the query rows) was ignored, so a reused slot's tokens diverged (found 2026-12-04;
-    benchmarks/tpu_cache_probe.py); the model now expands the mask to the scores' shape."""
+    the cache probe, benchmarks/notes/real-tpu.md); the model now expands the mask to the scores' shape."""
     chip = ModelRunner(trained_model, device="tpu", max_num_seqs=4, max_model_len=256, dtype="float32")
     prompt = list(range(5, 17))
     first = _greedy(chip, prompt, 32)

@@ -112,7 +112,7 @@ def test_runner_options_are_checked(tiny_model_dir):
 def test_a_stale_slot_changes_nothing(tiny_model_dir, tpu_options):
     """Keys and values a slot holds beyond its sequence (a finished request's, or garbage) are masked out:
     the same logits as in a fresh slot. On torch_tpu 0.2.0 a decode mask that broadcast over the query
-    rows was ignored (benchmarks/tpu_cache_probe.py); the model expands it (tests/real_tpu compares)."""
+    rows was ignored (the cache probe, benchmarks/notes/real-tpu.md); the model expands it (tests/real_tpu compares)."""
     runner = ModelRunner(
         tiny_model_dir, max_num_seqs=4, max_model_len=128, dtype="float32", static_shapes=True, **tpu_options
     )

@@ -9,7 +9,7 @@ data-dependent shapes). The cache itself never allocates after construction.
 Two ways to store a step's K/V: `write` (a scatter of the rows: what every device does well, except a TPU
 at many rows, where XLA's scatter costs ~0.3 ms per decode row of the 1.1B model) and `dense_writer` (the
 first `length` positions of every slot rewritten in place through a static slice, the rows placed by a
-one-hot matmul: a cost that does not grow with the rows; benchmarks/tpu_decode_probe.py).
+one-hot matmul: a cost that does not grow with the rows; the decode probe, benchmarks/notes/real-tpu.md).
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class ShardedLlama:
         if mask.shape[-2] > 1 and groups > 1:  # row g*T + t of a group is token t's row
             mask = mask.repeat(1, 1, groups, 1)
         # the mask expanded to the scores' full shape: torch_tpu 0.2.0 ignores a mask that broadcasts
-        # over the query rows (a decode's [B, 1, 1, L]; benchmarks/tpu_cache_probe.py)
+        # over the query rows (a decode's [B, 1, 1, L]; the cache probe, benchmarks/notes/real-tpu.md)
         mask = mask.expand(B, KV, groups * T, k.shape[2])
         out = F.scaled_dot_product_attention(q.reshape(B, KV, groups * T, D), k, v, attn_mask=mask)
         return out.reshape(B, H, T, D)

@@ -8,7 +8,7 @@ into a fresh output buffer, then back) where one token per sequence changed.
 "tpu-donate" is the same static compiler with the mutated inputs *donated* (torch_tpu's
 `StaticCompiler(donated_inputs=...)`, XLA's input/output aliasing): the program's updated cache reuses
 the input's buffer, so XLA writes the new rows in place, and AOTAutograd's copy back into the input is
-free (torch_tpu re-points the buffer). Measured on a v5e (`benchmarks/tpu_donate_probe.py`): one row
+free (torch_tpu re-points the buffer). Measured on a v5e (the donation probe, `benchmarks/notes/real-tpu.md`): one row
 written into a 1 GiB cache, 5.6 ms per call with "tpu", 2.1 ms donated (1.8 ms for a program that only
 reads). Keeping the mutation inside the program instead (`keep_inference_input_mutations=True`, donated
 or not) loses the writes on torch_tpu 0.2.0. It is the default of a compiled one-chip runner on a real
