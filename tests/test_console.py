@@ -22,7 +22,8 @@ vllm.logger.init_logger("vllm.check").info("vLLM here")
 subprocess.run([sys.executable, "-c", "import vllm.logger; vllm.logger.init_logger('vllm.child').info('vLLM child')"])
 print(logs.path)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_CONFIG_PATH"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = proc.stdout.strip().splitlines()[-1]
     text = open(path).read()

@@ -18,6 +18,7 @@ from pathlib import Path
 LOG_DIR_ENV = "TPURAY_LOG_DIR"  # where the commands' log files go (default ~/.tpuray/logs)
 FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 RAY_LOGGERS = ("ray", "ray.serve", "ray.train")
+VLLM_CONFIG_SUFFIX = ".vllm-logging.json"  # a user's own VLLM_LOGGING_CONFIG_PATH is left alone
 
 
 def log_dir() -> Path:
@@ -37,8 +38,9 @@ class LogFile:
     def capture(self) -> LogFile:
         """Send vLLM's logger (here and in child processes), Ray's driver loggers and progress bars of
         Hugging Face libraries to the file. Call before vLLM is imported, and again after ray.init."""
-        if "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
-            config = self.path.with_suffix(".vllm-logging.json")
+        current = os.environ.get("VLLM_LOGGING_CONFIG_PATH", "")
+        if not current or current.endswith(VLLM_CONFIG_SUFFIX):  # unset, or an earlier LogFile's: ours
+            config = self.path.with_suffix(VLLM_CONFIG_SUFFIX)
             config.write_text(json.dumps(self._vllm_config()))
             os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too

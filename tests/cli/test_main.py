@@ -121,7 +121,7 @@ def test_serve_refuses_a_slice_config_with_no_cluster(tmp_path, monkeypatch, cap
         "    accelerator_type: TPU-V6E\n    accelerator_config: {kind: tpu, topology: 2x2}\n"
     )
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert cli.main(["serve", str(config), "--state-dir", str(tmp_path / "none")]) == 2
+    assert cli.main(["serve", str(config), "--state-dir", str(tmp_path / "none"), "--verbose"]) == 2
     err = capsys.readouterr().err
     assert "needs a TPU-V6E 2x2 TPU slice and no Ray cluster is running" in err
     assert "tpuray emulate up -a TPU-V6E -t 2x2" in err
