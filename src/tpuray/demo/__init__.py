@@ -131,11 +131,12 @@ def run_demo(cfg: DemoConfig, logs: LogFile | None = None) -> str:
     from ray import serve
 
     from tpuray.emulator import EmulatedCluster, SliceRequest
-    from tpuray.models import build_tiny_causal_lm
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
     from tpuray.serve.shutdown import shutdown_serve
-    from tpuray.train import RunConfig, ScalingConfig
-    from tpuray.train.torch import TorchTrainer
+    from tpuray.train import ScalingConfig
+
+    if logs is not None:
+        logs.capture()  # `import ray` set up Ray's driver logger again
 
     # Validate every config before anything is created or started.
     scaling = ScalingConfig(
@@ -150,46 +151,9 @@ def run_demo(cfg: DemoConfig, logs: LogFile | None = None) -> str:
         cfg, f"starting an EMULATED {cfg.accelerator_type} {cfg.topology} slice (CPU-backed, not a real TPU)"
     )
     with EmulatedCluster([SliceRequest(cfg.accelerator_type, cfg.topology, count=1)]) as cluster:
-        cluster.connect(
-            log_to_driver=cfg.verbose, logging_level=logging.INFO if logs is None else logging.WARNING
-        )
-        if logs is not None:
-            logs.capture()  # again: ray.init set up its own driver logger
-            _say(cfg, f"vLLM's and Ray's log lines: {logs.path} (--verbose shows them here)")
-        elif not cfg.verbose:
-            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        _connect(cluster, cfg, logs)
         try:
-            # head_dim 64 (256 / 4 heads): what vLLM's CPU attention kernels take; 4 heads split over 4 chips
-            init_dir = build_tiny_causal_lm(
-                workdir / "init", corpus="".join(samples), hidden_size=256, num_attention_heads=4
-            )
-            _say(cfg, f"built a tiny Llama-style model + tokenizer in {init_dir}")
-
-            _say(cfg, f"training on {scaling.num_workers} emulated chips (DDP over tpu_dist)")
-            trainer = TorchTrainer(
-                train_loop,
-                train_loop_config={
-                    "model_dir": str(init_dir),
-                    "samples": samples,
-                    "epochs": cfg.epochs,
-                    "lr": cfg.lr,
-                },
-                scaling_config=scaling,
-                run_config=RunConfig(
-                    storage_path=str(workdir / "runs"), name="demo", verbose=0 if cfg.quiet else 1
-                ),
-            )
-            result = trainer.fit()
-            if result.error is not None or result.checkpoint is None:
-                raise RuntimeError(f"training failed: {result.error or 'no checkpoint was reported'}")
-            first, last = result.metrics_history[0]["loss"], result.metrics_history[-1]["loss"]
-            _say(cfg, f"trained {cfg.epochs} epochs: loss {first:.3f} -> {last:.3f}")
-
-            model_dir = workdir / "model"
-            shutil.rmtree(model_dir, ignore_errors=True)
-            result.checkpoint.to_directory(str(model_dir))
-            _say(cfg, f"saved the trained model in Hugging Face format: {model_dir}")
-
+            model_dir = _train(cfg, scaling, workdir, samples)
             answer = _serve_and_ask(
                 cfg, model_dir, serve, LLMConfig, LLMServingArgs, ModelLoadingConfig, build_openai_app
             )
@@ -203,6 +167,53 @@ def run_demo(cfg: DemoConfig, logs: LogFile | None = None) -> str:
                 ray.shutdown()
     _say(cfg, f"done in {time.perf_counter() - t0:.0f} s; emulated cluster shut down, nothing left running")
     return answer
+
+
+def _connect(cluster: Any, cfg: DemoConfig, logs: LogFile | None) -> None:
+    """This process to the demo's cluster; Ray's and vLLM's lines into `logs` unless it is None."""
+    cluster.connect(
+        log_to_driver=cfg.verbose, logging_level=logging.INFO if logs is None else logging.WARNING
+    )
+    if logs is not None:
+        logs.capture()  # again: ray.init set up its own driver logger
+        _say(cfg, f"vLLM's and Ray's log lines: {logs.path} (--verbose shows them here)")
+    elif not cfg.verbose:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def _train(cfg: DemoConfig, scaling: Any, workdir: Path, samples: list[str]) -> Path:
+    """Build the tiny model, train it on the slice, and save it in Hugging Face format: its directory."""
+    from tpuray.models import build_tiny_causal_lm
+    from tpuray.train import RunConfig
+    from tpuray.train.torch import TorchTrainer
+
+    # head_dim 64 (256 / 4 heads): what vLLM's CPU attention kernels take; 4 heads split over 4 chips
+    init_dir = build_tiny_causal_lm(
+        workdir / "init", corpus="".join(samples), hidden_size=256, num_attention_heads=4
+    )
+    _say(cfg, f"built a tiny Llama-style model + tokenizer in {init_dir}")
+    _say(cfg, f"training on {scaling.num_workers} emulated chips (DDP over tpu_dist)")
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={
+            "model_dir": str(init_dir),
+            "samples": samples,
+            "epochs": cfg.epochs,
+            "lr": cfg.lr,
+        },
+        scaling_config=scaling,
+        run_config=RunConfig(storage_path=str(workdir / "runs"), name="demo", verbose=0 if cfg.quiet else 1),
+    )
+    result = trainer.fit()
+    if result.error is not None or result.checkpoint is None:
+        raise RuntimeError(f"training failed: {result.error or 'no checkpoint was reported'}")
+    first, last = result.metrics_history[0]["loss"], result.metrics_history[-1]["loss"]
+    _say(cfg, f"trained {cfg.epochs} epochs: loss {first:.3f} -> {last:.3f}")
+    model_dir = workdir / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    result.checkpoint.to_directory(str(model_dir))
+    _say(cfg, f"saved the trained model in Hugging Face format: {model_dir}")
+    return model_dir
 
 
 def _rl_act(cfg: DemoConfig) -> None:
