@@ -53,7 +53,7 @@ test-fast: setup   # skips the multi-host and long-running tests (marked slow) a
 	$(PYTEST) -m "not slow and not full"
 
 # On a TPU VM (no Ray, one process may hold the chip): the real-TPU suite in ONE process. Set-up:
-# ../shared/tpu-vm/README.md, then `. benchmarks/tpu_vm_env.sh`. Elsewhere every test skips with a reason.
+# tpu-vm/README.md, then `. tpu-vm/env.sh`. Elsewhere every test skips with a reason.
 test-tpu:
 	python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/real_tpu tests/real_tpu
 
