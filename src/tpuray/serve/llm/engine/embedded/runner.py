@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from tpuray.serve.llm.engine import compile_cache
 from tpuray.serve.llm.engine.embedded.logits import token_logprobs
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama
 from tpuray.serve.llm.engine.embedded.step_plan import (
@@ -147,6 +148,8 @@ class ModelRunner:
         self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._prefill_program
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._decode_program
         if self.compiled:
+            if real_tpu:  # XLA programs kept on the host's disk for the next start (compile_cache.py)
+                compile_cache.enable()
             self.backend = compile_backend or default_backend(self.device, world_size)
             self._compile(self.backend)
 
