@@ -5,7 +5,9 @@ head_dim 8. Under llm_engine "auto" it goes to the embedded engine with a warnin
 llm_engine "vLLM" the app fails to build, naming head_dim and vLLM's valid sizes. Anything else that
 kills an engine at its first request is caught by the warm-up generation at replica start: started
 past the config check, vLLM's engine core dies in start(), not behind a live endpoint.
-(test_http_fuzz.py serves the head_dim 8 model under "auto" over HTTP.)"""
+(test_http_fuzz.py serves the head_dim 8 model under "auto" over HTTP.) With vLLM's engine core in the
+replica's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as on a one-chip TPU VM) the same holds, and OpenAI
+fields reach vLLM as they do through its engine-core process."""
 
 from __future__ import annotations
 
@@ -95,6 +97,10 @@ finally:
 """
 
 
+@pytest.mark.full(
+    "CI: the same warm-up refusal with vLLM's engine core in process "
+    "(test_vllm_in_process_serves_and_refuses_like_its_engine_core_process)"
+)
 def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir, tmp_path):
     """Past the config check (the backend built directly), vLLM starts for the head_dim 8 model and its
     engine core dies at the first generation: that is the warm-up in start(), so no replica serves it.
@@ -117,3 +123,95 @@ def test_warm_up_catches_an_engine_that_dies_at_its_first_request(tiny_model_dir
     assert outcome.startswith("REFUSED"), (outcome, out.stdout[-2000:], out.stderr[-3000:])
     assert "the vLLM engine failed its warm-up generation" in outcome
     assert "EngineDeadError" in outcome and "'tiny-hd8'" in outcome
+
+
+IN_PROCESS_CHILD = """
+import asyncio, json, multiprocessing, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from tpuray.serve.llm import LLMConfig
+from tpuray.serve.llm.replica import LLMServer
+from tpuray.serve.llm.vllm_backend import VLLMBackend
+hd32, hd8, out_path = sys.argv[1:4]
+PROMPT = "Ray schedules tasks"
+kwargs = json.loads(sys.argv[4])
+result = {}
+
+def config(path, model_id):
+    return LLMConfig(model_loading_config={"model_id": model_id, "model_source": path}, llm_engine="vLLM",
+                     engine_kwargs=kwargs)
+
+async def main():
+    server = await LLMServer.create(config(hd32, "hd32"))
+    info = server.describe()
+    result["in_process"], result["pids"] = info["in_process"], info["engine_core_pids"]
+    result["children"] = [p.pid for p in multiprocessing.active_children()]
+    async def ask(**body):
+        out = await server.handle("completions", {"model": "hd32", "prompt": PROMPT, **body})
+        if not isinstance(out, dict):
+            raise RuntimeError(f"{body}: {out.message}")
+        return out
+    greedy = await ask(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2, return_token_ids=True)
+    result["greedy"] = greedy["choices"][0]
+    tok = AutoTokenizer.from_pretrained(hd32)
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(hd32).generate(ids, max_new_tokens=8, do_sample=False)
+    result["hf"] = hf[0, ids.shape[1]:].tolist()
+    text = greedy["choices"][0]["text"]
+    result["stop_at"] = stop = text[len(text) // 2 :][:2]
+    result["stopped"] = (await ask(max_tokens=8, temperature=0, stop=[stop]))["choices"][0]
+    result["n"] = (await ask(max_tokens=4, temperature=1.0, n=2, ignore_eos=True))["usage"]
+    server.shutdown()
+    dead = VLLMBackend(config(hd8, "hd8"))  # past the config check: vLLM's CPU attention refuses head_dim 8
+    try:
+        await dead.start()
+        result["hd8"] = "STARTED"
+    except RuntimeError as e:
+        result["hd8"] = f"REFUSED {e}"
+    finally:
+        dead.shutdown()
+
+asyncio.run(main())
+with open(out_path, "w") as f:
+    json.dump(result, f)
+os._exit(0)
+"""
+
+
+def test_vllm_in_process_serves_and_refuses_like_its_engine_core_process(tiny_model_dir, tmp_path):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's switch; a one-chip TPU VM's setting): tpuray's vLLM engine
+    runs its engine core in the replica's process (no child process): the OpenAI fields reach vLLM and are
+    honoured (greedy tokens equal transformers', logprobs, a stop string, n), it shuts down leaving the
+    process able to start another, and an engine core that dies at its warm-up request in process is
+    refused at start as one in a child process is (the test above). In a child process of its own: an
+    in-process engine holds torch.distributed and vLLM's globals until it stops."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tpuray.models import train_tiny_causal_lm
+
+    # trained a little, so that its greedy text is text (a stop string needs some)
+    hd32 = train_tiny_causal_lm(tmp_path / "hd32", steps=40, hidden_size=64, num_attention_heads=2)
+    result = tmp_path / "result.json"
+    out = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS_CHILD, str(hd32), tiny_model_dir, str(result), json.dumps(KWARGS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert result.exists(), (out.stdout[-2000:], out.stderr[-4000:])
+    got = json.loads(result.read_text())
+    assert got["in_process"] is True and got["pids"] == [] and got["children"] == []
+    greedy = got["greedy"]
+    assert greedy["token_ids"] == got["hf"] and greedy["finish_reason"] == "length"
+    lp = greedy["logprobs"]
+    assert len(lp["tokens"]) == 8 and all(len(t) == 2 for t in lp["top_logprobs"])
+    assert got["stopped"]["finish_reason"] == "stop"
+    assert got["stopped"]["text"] == greedy["text"][: greedy["text"].index(got["stop_at"])]
+    assert got["n"]["completion_tokens"] == 8
+    assert got["hd8"].startswith("REFUSED") and "EngineDeadError" in got["hd8"] and "'hd8'" in got["hd8"]
+    assert "the vLLM engine failed its warm-up generation" in got["hd8"]

@@ -321,6 +321,11 @@ class LLMConfig:
                 f"llm_engine='vLLM' cannot serve model {self.model_id!r}: {problem}. Use a model with a "
                 "supported head size, or llm_engine='embedded' (or 'auto')"
             )
+        self.serve_with_embedded(problem)
+
+    def serve_with_embedded(self, problem: str) -> None:
+        """llm_engine "auto" when vLLM cannot serve the model (`problem` says why): the embedded engine
+        serves it, with a warning saying why, if it can take this config (else a ConfigError naming both)."""
         try:
             self._validate_embedded_kwargs()
         except ConfigError as e:

@@ -10,7 +10,9 @@ are parsed by vLLM's protocol classes.
 Nothing is silently ignored on this path either: before vLLM parses a request, tpuray checks it
 (openai/checks.py, `check_for_vllm`: strict types for the OpenAI fields, whose ranges are vLLM's own, and
 a 400 for each field vLLM would drop); a vLLM error that names no `param` gets the request field its
-message names.
+message names; a request the platform refuses when vLLM adds it (vLLM-TorchTPU: "JAX does not support
+per-request seed.", a ValueError that vLLM's AsyncLLM wraps in EngineGenerateError, a 500 under `vllm
+serve`) is a 400 naming the field, as vLLM's own validation errors are.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class VLLMBackend(EngineBackend):
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.tokenize import protocol as tok
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineGenerateError
 
         cls: Any
         method: Any
@@ -143,6 +146,10 @@ class VLLMBackend(EngineBackend):
             raise
         except (ValueError, VLLMClientError) as e:  # vLLM's request validation (as `vllm serve` answers it)
             raise _error(serving.create_error_response(e), body) from None
+        except EngineGenerateError as e:  # a platform's refusal (vLLM-TorchTPU: a seed), wrapped by AsyncLLM
+            if not isinstance(e.__cause__, ValueError):
+                raise
+            raise _error(serving.create_error_response(e.__cause__), body) from None
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed request: the response dict, or OpenAIError raised."""

@@ -6,7 +6,12 @@ bundle `{"TPU": 1, "CPU": 1}` per chip, and hands that placement group to vLLM's
 the slice's chips: one vLLM worker per chip, TPU_VISIBLE_CHIPS set by Ray. On a real slice vLLM's TPU
 platform (vllm-tpu / vLLM-TorchTPU) computes; on an EMULATED slice tpuray's vLLM platform plugin
 (plugin.py) runs vLLM's CPU backend in those per-chip worker processes, and describe() and the logs
-say so. Without an accelerator_config vLLM runs on this machine's CPU with its own executor.
+say so. Without an accelerator_config vLLM runs on this machine's device (its CPU, or the TPU chip of a
+TPU VM) with its own executor.
+
+vLLM's engine core is a child process of the replica, except where vLLM's multiprocessing is switched off
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's own setting): then it runs in the replica's process
+(inprocess.py), as on a one-chip TPU VM, where one process holds the chip and no TCP socket opens.
 
 The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
 """
@@ -17,6 +22,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -24,8 +30,10 @@ from typing import Any
 from tpuray.constants import VLLM_PLATFORM_ENV
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.engine import compile_cache
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 from tpuray.serve.llm.engine.vllm.plugin import EMULATED_TPU
+from tpuray.serve.llm.engine.vllm.support import VLLMCannotServe, dtype_problem
 from tpuray.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -55,16 +63,21 @@ def default_cpu_kv_cache(engine_args: Mapping[str, Any]) -> bool:
     return True
 
 
+def _ray_address() -> str | None:
+    """The Ray cluster this process is connected to (None without one: Ray need not be installed)."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+
+
 class VLLMEngine:
     """One model's vLLM engine (AsyncLLM), and the slice its workers run on."""
 
     def __init__(self, config: LLMConfig, *, reservation_timeout_s: float = 120.0) -> None:
-        import ray
-
         self.config = config
         self.spg: Any = None
         self.client: Any = None
         self.emulated = False
+        self.in_process = False  # vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         self.nodes: list[str] = []  # the slice's hosts, as reserved
         self.lost: BaseException | None = None  # a host of the slice died (engine core ended), or end()
         self.engine_args, self.frontend_args = split_engine_kwargs(config)
@@ -72,7 +85,7 @@ class VLLMEngine:
             if config.topology is not None:
                 self._reserve(reservation_timeout_s)
             path = self._model_path()
-            self._start(path, ray.get_runtime_context().gcs_address if ray.is_initialized() else None)
+            self._start(path, _ray_address())
         except BaseException:
             self.shutdown()
             raise
@@ -114,9 +127,12 @@ class VLLMEngine:
         )
 
     def _start(self, path: str, ray_address: str | None) -> None:
+        from vllm import envs as vllm_envs
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.executor.abstract import Executor
+
+        from tpuray.serve.llm.engine.vllm.inprocess import in_process_async_llm
 
         cfg = self.config
         if ray_address:  # vLLM's engine core is a Ray driver of its own: it must join this cluster
@@ -133,10 +149,22 @@ class VLLMEngine:
             **self.engine_args,
         )
         self._clear_platform_cache()
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():  # compiled programs kept on the host's disk (compile_cache.py)
+            compile_cache.enable(vllm=True)
         vllm_config = self.args.create_engine_config()
+        platform = type(current_platform).__name__
+        problem = dtype_problem(self.engine_args.get("dtype"), vllm_config.model_config.dtype, platform)
+        if problem:
+            raise VLLMCannotServe(
+                f"llm_engine={cfg.llm_engine!r} cannot serve model {cfg.model_id!r}: {problem}"
+            )
         if self.spg is not None:
             vllm_config.parallel_config.placement_group = self.spg.placement_group
-        self.client = AsyncLLM(
+        self.in_process = not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        make = in_process_async_llm if self.in_process else AsyncLLM
+        self.client = make(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
             log_stats=not self.args.disable_log_stats,
@@ -163,7 +191,13 @@ class VLLMEngine:
     def where(self) -> str:
         tp = self.config.tensor_parallel_size
         if self.spg is None:
-            return f"tensor_parallel_size={tp} on this machine's CPU (vLLM CPU backend)"
+            from vllm.platforms import current_platform
+
+            core = "its engine core in this process" if self.in_process else "its engine core a child process"
+            device = (
+                "CPU (vLLM CPU backend)" if current_platform.is_cpu() else type(current_platform).__name__
+            )
+            return f"tensor_parallel_size={tp} on this machine's {device}, {core}"
         kind = (
             "EMULATED TPU chips: vLLM's CPU backend in per-chip worker processes" if self.emulated else "TPU"
         )
@@ -194,12 +228,13 @@ class VLLMEngine:
             "placement_group_id": self.spg.placement_group.id.hex() if self.spg is not None else None,
             "bundle_nodes": bundles,  # the node of each per-chip bundle (one vLLM worker each)
             "emulated": self.emulated,
+            "in_process": self.in_process,
             "where": self.where(),
             "engine_core_pids": self.engine_core_pids(),
         }
 
     def engine_core_pids(self) -> list[int]:
-        """The process ids of vLLM's engine core (a child process of the replica)."""
+        """The process ids of vLLM's engine core (a child process of the replica; none in process)."""
         resources = getattr(getattr(self.client, "engine_core", None), "resources", None)
         manager = getattr(resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]

@@ -7,13 +7,17 @@ fails with EngineDeadError. The rule is vLLM's own and read from the installed v
 `CPUAttentionBackend.get_supported_head_sizes()` (vllm/v1/attention/backends/cpu_attn.py; the CPU platform
 always picks that backend for non-MLA models, vllm/platforms/cpu.py `get_attn_backend_cls`).
 
-On other platforms (vLLM-TorchTPU on real TPU chips) nothing is decided here; the replica's warm-up
-generation (a 1-token request before it reports ready) catches a model the engine cannot run there.
+On other platforms (vLLM-TorchTPU on real TPU chips) nothing is decided from config.json; when the engine
+starts, a dtype the platform would not honour is refused (`dtype_problem`: vLLM-TorchTPU computes in
+bfloat16 only), and the replica's warm-up generation (a 1-token request before it reports ready) catches a
+model the engine cannot run there.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tpuray.validation import ConfigError
 
 
 def head_dim(model_config: dict[str, Any]) -> int | None:
@@ -55,4 +59,44 @@ def model_problem(model_config: dict[str, Any]) -> str | None:
     return (
         f"head_dim={size}{derived} is not supported by vLLM's CPU attention backend ({platform}, "
         f"CPU_ATTN); valid head sizes: {sizes}"
+    )
+
+
+class VLLMCannotServe(ConfigError):
+    """vLLM on this platform cannot serve the model as configured; found when the engine starts, before it
+    loads or compiles anything (llm_engine "auto" then serves the model with the embedded engine)."""
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_problem(asked: Any, resolved: Any, platform: str) -> str | None:
+    """Why vLLM's engine configuration does not honour engine_kwargs['dtype']: the platform replaced the
+    dtype asked for (vLLM-TorchTPU computes in bfloat16 and turns float32 and float16 into it, logging only
+    a warning); None when it is honoured or none was asked for."""
+    if asked is None or asked == "auto":
+        return None
+    got = str(resolved).removeprefix("torch.")
+    if _DTYPE_ALIASES.get(asked, asked) == got:
+        return None
+    return (
+        f"vLLM on {platform} computes in {got}, not dtype={asked!r} (engine_kwargs); use dtype={got!r} or "
+        "'auto' with vLLM, or llm_engine='embedded' (or 'auto'), whose engine computes in the dtype asked for"
+    )
+
+
+def auto_prefers_embedded() -> str | None:
+    """Why llm_engine "auto" serves with the embedded engine here although vLLM is installed; None where
+    vLLM serves. On vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every
+    figure but one (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles
+    nothing while serving and sleeps for RL; llm_engine "vLLM" still selects vLLM there."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform).__name__
+    if platform != "TpuPlatform":
+        return None
+    return (
+        f"on {platform} (vLLM-TorchTPU) the embedded engine decodes faster (batch 1, batch 32, mixed "
+        "requests) and compiles nothing while serving; vLLM's prompt (TTFT) is faster: set "
+        "llm_engine='vLLM' to serve with it"
     )
