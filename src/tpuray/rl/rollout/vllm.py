@@ -206,6 +206,8 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             if isinstance(update, TrainerUpdate):  # parked only once nothing else can refuse it
                 method, args = "tpuray_stage_pieces", self._park(update)
+            elif self._engine.vllm.in_process:  # the worker is in this process: tensors as they are
+                method, args = "tpuray_stage_tensors", (dict(update),)
             else:
                 method, args = "tpuray_stage_weights", (pack_state(update),)
             return self._loop.run(self._load(method, args))

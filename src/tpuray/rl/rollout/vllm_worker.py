@@ -38,6 +38,7 @@ from tpuray.rl.weights.join import join_pieces
 from tpuray.rl.weights.vllm_layout import SparseParts, vllm_part
 
 EXTENSION = "tpuray.rl.rollout.vllm_worker.WeightsExtension"
+TPU_WEIGHT_FLIPPED = "_tpu_weight_flipped"  # vllm_torchtpu.layers.adapter.linear_common.WEIGHT_FLIPPED_ATTR
 LOST = "lost"  # tpuray_stage_pieces's [LOST, why]: the update's pieces were lost with their sender
 Packed = dict[str, tuple[str, list[int], bytes]]
 
@@ -135,6 +136,18 @@ class WeightsExtension:
         self._tpuray_staged = state
         return sum(t.numel() * t.element_size() for t in state.values())
 
+    def tpuray_stage_tensors(self, state: Mapping[str, torch.Tensor]) -> int | str:
+        """`tpuray_stage_weights` for a state dict of tensors, unpacked: where vLLM's engine core runs in
+        the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), collective_rpc hands them over as they
+        are, so nothing is copied before the load."""
+        self._tpuray_staged = None
+        try:
+            check_state(shapes_of(state), self._tpuray_config())
+        except WeightMismatchError as e:
+            return str(e)
+        self._tpuray_staged = dict(state)
+        return sum(t.numel() * t.element_size() for t in state.values())
+
     def tpuray_commit_weights(self) -> int:
         """Load the staged update with vLLM's in-place reload (`reload_weights`: the model's
         `load_weights` between vLLM's layer-wise reload hooks, which redo the backend's weight processing,
@@ -142,12 +155,34 @@ class WeightsExtension:
         staged, self._tpuray_staged = self._tpuray_staged, None
         parts, self._tpuray_parts = self._tpuray_parts, None
         if parts is not None:  # full-shape tensors holding only this rank's blocks: the loaders read those
-            self.reload_weights(weights_iterator=parts.tensors())
+            self._tpuray_reload(parts.tensors())
         elif staged is not None:
-            self.reload_weights(weights_iterator=iter(staged.items()))
+            self._tpuray_reload(iter(staged.items()))
         else:
             raise RuntimeError("tpuray_commit_weights without a staged update (tpuray_stage_weights first)")
         return sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+
+    def _tpuray_reload(self, weights: Any) -> None:
+        """vLLM's in-place reload (its GPU/CPU worker's `reload_weights`); vLLM-TorchTPU's worker has none,
+        so there the same steps run here: vLLM's layer-wise reload (each layer's weights re-created in the
+        checkpoint's layout, loaded, processed for the kernels again, copied into the weights the compiled
+        programs hold). vLLM-TorchTPU marks a linear layer whose weight it transposed after loading, and
+        skips a marked layer; the mark is cleared so that the reloaded weight is transposed too."""
+        if hasattr(self, "reload_weights"):
+            self.reload_weights(weights_iterator=weights)
+            return
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.model
+        initialize_layerwise_reload(model)
+        for module in model.modules():
+            if getattr(module, TPU_WEIGHT_FLIPPED, False):
+                setattr(module, TPU_WEIGHT_FLIPPED, False)
+        model.load_weights(weights)
+        finalize_layerwise_reload(model, self.model_config)
 
     def tpuray_discard_weights(self) -> None:
         self._tpuray_staged = self._tpuray_parts = None
