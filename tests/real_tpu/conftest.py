@@ -70,3 +70,22 @@ def process_group(tpu, tmp_path_factory):
     dist.init_process_group("tpu_dist", init_method=init, rank=0, world_size=1)
     yield dist
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def embedded_greedy():
+    """`greedy(path, prompt, n, **runner_kwargs)`: n greedy tokens of the embedded engine's ModelRunner
+    (one sequence, each step read back), the reference the vLLM tests compare with."""
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+    def greedy(path: str, prompt: list[int], n: int, **kw) -> list[int]:
+        runner = ModelRunner(path, max_num_seqs=4, max_model_len=256, **kw)
+        ids, res = [], runner.step([(0, prompt, 0, None)], need_logits=False)
+        for i in range(n - 1):
+            assert res is not None
+            ids.append(res.token_ids[0])
+            res = runner.step([(0, [ids[-1]], len(prompt) + i, None)], need_logits=False)
+        assert res is not None
+        return [*ids, res.token_ids[0]]
+
+    return greedy
