@@ -3,6 +3,8 @@ helpers vs raw torch_tpu, and the chip's bf16 matmul ceiling. One process, no Ra
 alone: see docs/real-tpu.md for the set-up).
 
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py engine     # the embedded engine, ~1B Llama
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm       # vLLM-TorchTPU, same model
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm-weights   # RL: update_weights into vLLM
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py weights    # RL: updates, sleep / wake-up
     python3 benchmarks/bench_real_tpu.py engine --small --device cpu   # the script itself, on a CPU
@@ -29,13 +31,17 @@ from _tpu_engine import (
     timed,
     write_llama,
 )
+from _tpu_train import bench_train
+from _tpu_vllm import add_tokenizer, cache_files, start_vllm, vllm_figures, vllm_weights, xla_programs
 
 V5E_HBM_BYTES_PER_S = 819e9
-V5E_BF16_FLOPS = 197e12
 RESULTS: list[dict] = []
+OUT: list[str] = []  # --out
 ENGINE_DIMS = {
     "small": dict(hidden=256, layers=2, heads=8, kv_heads=2, inter=512, vocab=1024),
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=32000),  # Llama-3.2-1B-like
+    # the same weight bytes with head_dim 128 (vLLM-TorchTPU 0.29's head_dim-64 kernel fails on it here)
+    "1b-hd128": dict(hidden=2048, layers=16, heads=16, kv_heads=4, inter=8192, vocab=32000),
 }
 
 
@@ -43,6 +49,29 @@ def report(name: str, **fields) -> None:
     row = {"name": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}}
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
+    if OUT:  # at once: a run stopped at its time limit keeps what it measured
+        with open(OUT[0], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def since_process_start() -> float:
+    """Seconds since this process started (a start's figure counts Python's imports too)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def checkpoint(args) -> tuple[Path, int]:
+    """The Llama-shaped checkpoint (random bf16 weights), written once into --model-dir and reused: a
+    second start of an engine finds the same model at the same path. Returns (path, weight bytes)."""
+    name = "small" if args.small else args.dims
+    dims = ENGINE_DIMS[name]
+    path = Path(args.model_dir or tempfile.mkdtemp()) / name
+    done = path / "weight_bytes.txt"
+    if not done.exists():
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(str(write_llama(path, **dims)))
+    return path, int(done.read_text())
 
 
 # -- the engine ------------------------------------------------------------------------------------------
@@ -51,15 +80,15 @@ def bench_engine(args) -> None:
     after the first are also reported as ratios to the first's (the anchor)."""
     import gc
 
-    dims = ENGINE_DIMS["small" if args.small else "1b"]
-    path = Path(tempfile.mkdtemp()) / "llama"
-    weight_bytes = write_llama(path, **dims)
+    path, weight_bytes = checkpoint(args)
     backends = args.compile_backend.split(",") if args.device == "tpu" else [None]
     setups = [(b, d) for b in backends for d in args.decode_step.split(",")]
     anchor: dict[str, float] = {}
     anchor_tokens = None
     for backend, decode_step in setups:
         figures = engine_figures(args, path, weight_bytes, backend, DECODE_STEPS[decode_step])
+        if args.start_only:
+            return
         tokens = figures.pop("greedy_tokens")
         if not anchor:
             anchor, anchor_tokens = figures, tokens
@@ -117,7 +146,12 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         programs=built,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
+        since_process_start_s=since_process_start(),
+        **xla_programs(),
+        **cache_files(),
     )
+    if args.start_only:
+        return {}
     roofline = V5E_HBM_BYTES_PER_S / weight_bytes
     # synchronous (each step read back before the next) and async scheduling (launched ahead) side by side
     b1, b1a = both_modes(lambda ahead: decode_rate(runner, 1, args.steps, ahead=ahead))
@@ -166,7 +200,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
     ahead_tokens = greedy_tokens(runner, mode="ahead")
     report("greedy_async_vs_sync", backend=backend, same_tokens=ahead_tokens == figures["greedy_tokens"])
     if not args.quick:
-        for ahead in (False, True, False, True):  # alternated: the first run also warms the host up
+        for ahead in (False, True, False, True)[: args.mixed_runs]:  # alternated: the first also warms up
             mixed = serve_mixed(runner, args.requests, max_num_seqs, max_model_len, ahead=ahead)
             report("serve_mixed", backend=backend, **mixed)
             key = "serve_mixed_async_s" if ahead else "serve_mixed_s"
@@ -174,115 +208,30 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
     return figures
 
 
-# -- training -------------------------------------------------------------------------------------------
-def bench_matmul(device: torch.device) -> None:
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    compiled = torch.compile(lambda x, y: x @ y, backend="tpu" if device.type == "tpu" else "inductor")
-    for label, fn in (("eager", lambda: a @ b), ("compiled", lambda: compiled(a, b))):
-        s = timed(fn, 10)
-        flops = 2 * n**3 / s
-        report(f"matmul_bf16_{label}", tflops=flops / 1e12, fraction_of_peak=flops / V5E_BF16_FLOPS)
+# -- vLLM-TorchTPU beside it -----------------------------------------------------------------------------------
+def bench_vllm(args) -> None:
+    """vLLM-TorchTPU through tpuray's VLLMEngine on the same checkpoint as `engine` (its start, with the
+    compilation cache as found; then the figures `engine` reports for the embedded engine)."""
+    path, weight_bytes = checkpoint(args)
+    add_tokenizer(path)
+    engine, start = start_vllm(path, args.max_model_len, 32)
+    try:
+        report("vllm_start", since_process_start_s=since_process_start(), **start, **cache_files())
+        if not args.start_only:
+            report("vllm", **vllm_figures(engine, weight_bytes, V5E_HBM_BYTES_PER_S, args.requests))
+    finally:
+        engine.shutdown()
 
 
-class GPT(torch.nn.Module):
-    """nanoGPT-shaped decoder (pre-norm, GELU MLP, causal SDPA)."""
+def bench_vllm_weights(args) -> None:
+    """RL through vLLM-TorchTPU (tpuray.rl.RolloutEngine): update_weights of the full bf16 state dict
+    against the raw host-to-chip transfer of the same bytes; sleep()."""
+    from tpuray.serve.llm.engine.embedded.model import load_state_dict
 
-    def __init__(self, d: int, layers: int, heads: int, vocab: int, seq: int):
-        super().__init__()
-        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(
-                d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-            )
-            for _ in range(layers)
-        )
-        self.norm, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
-        self.register_buffer(
-            "mask", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
-        )
-
-    def forward(self, idx):
-        h = self.tok(idx) + self.pos.weight[: idx.shape[1]]
-        for block in self.blocks:
-            h = block(h, src_mask=self.mask, is_causal=True)
-        return self.head(self.norm(h))
-
-
-def bench_gpt(device: torch.device, via_tpuray: bool, compiled: bool, steps: int) -> None:
-    d, layers, heads, vocab, seq, batch = 1024, 8, 16, 32000, 512, 8
-    torch.manual_seed(0)
-    model = GPT(d, layers, heads, vocab, seq).to(torch.bfloat16)
-    if via_tpuray:
-        from tpuray.train.torch import get_device, prepare_model
-
-        device = get_device()
-        model = prepare_model(model)
-    else:
-        model = model.to(device)
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, vocab, (batch, seq), device=device)
-
-    forward = (
-        torch.compile(model, backend="tpu" if device.type == "tpu" else "inductor") if compiled else model
-    )
-
-    def train_step():  # forward + backward compiled (AOTAutograd); the optimizer step stays eager
-        logits = forward(x)
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab).float(), x.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    s = timed(train_step, steps)  # its first, untimed call compiles
-    flops = 6 * params * batch * seq / s
-    report(
-        "gpt_train_step",
-        via="tpuray" if via_tpuray else "raw",
-        compiled=compiled,
-        params=params,
-        ms=s * 1e3,
-        model_tflops=flops / 1e12,
-        fraction_of_peak=flops / V5E_BF16_FLOPS,
-    )
-
-
-def bench_seed_loop(device: torch.device, via_tpuray: bool, steps: int) -> None:
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
-    if via_tpuray:
-        from tpuray.train.torch import get_device, prepare_model
-
-        device, model = get_device(), prepare_model(model)
-    else:
-        model = model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(32, 10, device=device), torch.randn(32, 1, device=device)
-
-    def step():
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    report("seed_loop_step", via="tpuray" if via_tpuray else "raw", ms=timed(step, steps) * 1e3)
-
-
-def bench_train(args) -> None:
-    device = torch.device(args.device)
-    parts = args.parts.split(",")
-    if "matmul" in parts:
-        bench_matmul(device)
-    if "seed" in parts:
-        for via in (False, True, False, True):  # alternated: the ratio is within one run
-            bench_seed_loop(device, via, 200)
-    for compiled in [c for c in (False, True) if ("gpt-compiled" if c else "gpt-eager") in parts]:
-        for via in (False, True):
-            bench_gpt(device, via, compiled, args.steps)
+    path, _ = checkpoint(args)
+    add_tokenizer(path)
+    state = load_state_dict(path)
+    report("vllm_weights", **vllm_weights(path, state, args.steps, args.device, report))
 
 
 def bench_kv_write(args) -> None:
@@ -433,7 +382,7 @@ def handover(weights, take, level: int, live) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["engine", "train", "kv-write", "weights"])
+    ap.add_argument("what", choices=["engine", "vllm", "vllm-weights", "train", "kv-write", "weights"])
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
@@ -454,7 +403,14 @@ def main() -> None:
     )
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
+    ap.add_argument(
+        "--model-dir", default=None, help="engine, vllm: write the checkpoint here once, reuse it"
+    )
+    ap.add_argument("--dims", default="1b", choices=[k for k in ENGINE_DIMS if k != "small"])
+    ap.add_argument("--start-only", action="store_true", help="engine, vllm: measure the start, nothing else")
+    ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
     args = ap.parse_args()
+    OUT[:] = [args.out] if args.out else []
     unknown = set(args.decode_step.split(",")) - set(DECODE_STEPS)
     if unknown:
         ap.error(f"--decode-step {', '.join(sorted(unknown))} is not valid; valid: {', '.join(DECODE_STEPS)}")
@@ -462,12 +418,13 @@ def main() -> None:
         from tpuray.runtime import activate
 
         report("runtime", mode=activate())
-    {"engine": bench_engine, "train": bench_train, "kv-write": bench_kv_write, "weights": bench_weights}[
-        args.what
-    ](args)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in RESULTS)
+    commands = {"engine": bench_engine, "vllm": bench_vllm, "vllm-weights": bench_vllm_weights}
+    commands |= {
+        "train": lambda a: bench_train(a, report),
+        "kv-write": bench_kv_write,
+        "weights": bench_weights,
+    }
+    commands[args.what](args)
 
 
 if __name__ == "__main__":

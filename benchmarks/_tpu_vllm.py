@@ -1,0 +1,178 @@
+"""vLLM-TorchTPU's measurements for bench_real_tpu.py (`vllm`, `vllm-weights`), on the same Llama-shaped
+checkpoint as the embedded engine's (`_tpu_engine.write_llama`, plus a small tokenizer: prompts are token
+ids), through tpuray's own vLLM engine (`VLLMEngine`, what a serving replica runs; `RolloutEngine` for the
+weights), with vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: one process holds the
+chip). Each function returns figures; the script reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+_ids = itertools.count()
+
+
+def xla_programs() -> dict[str, float]:
+    """torch_tpu's in-memory compilation cache: the XLA executables this process holds and the seconds
+    spent compiling them (0 for one served from the persistent cache); {} where torch_tpu has no stats."""
+    import torch
+
+    try:
+        entries = torch.tpu._get_cache_stats().per_entry_stats
+    except (AttributeError, RuntimeError):
+        return {}
+
+    def secs(entry: Any) -> float:
+        duration = getattr(entry, "compilation_duration", None)
+        return float(duration.total_seconds()) if hasattr(duration, "total_seconds") else 0.0
+
+    return {"xla_programs": len(entries), "xla_compile_s": sum(secs(e) for e in entries)}
+
+
+def cache_files() -> dict[str, int]:
+    """Files and bytes in the host's compilation cache (tpuray.serve.llm.engine.compile_cache)."""
+    from tpuray.serve.llm.engine.compile_cache import cache_dir
+
+    root = cache_dir()
+    files = [p for p in root.rglob("*") if p.is_file()] if root is not None and root.exists() else []
+    return {"cache_files": len(files), "cache_bytes": sum(p.stat().st_size for p in files)}
+
+
+def add_tokenizer(path: Path) -> None:
+    """vLLM's OpenAI layer needs a tokenizer; the bench sends token ids (the model's vocab is larger)."""
+    from tpuray.models import build_tokenizer
+
+    build_tokenizer().save_pretrained(str(path))
+
+
+def vllm_config(path: Path, max_model_len: int, max_num_seqs: int):
+    from tpuray.serve.llm import LLMConfig
+
+    return LLMConfig(
+        model_loading_config={"model_id": "llama-1b", "model_source": str(path)},
+        llm_engine="vLLM",
+        # the engine_kwargs a RolloutConfig gives (vllm_weights): one set of compiled programs for both
+        engine_kwargs={"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "dtype": "bfloat16"},
+    )
+
+
+def start_vllm(path: Path, max_model_len: int, max_num_seqs: int) -> tuple[Any, dict]:
+    """tpuray's VLLMEngine for the checkpoint (vLLM compiles its programs while it starts)."""
+    from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.perf_counter()
+    engine = VLLMEngine(vllm_config(path, max_model_len, max_num_seqs))
+    return engine, {"start_s": time.perf_counter() - t0, "where": engine.where(), **xla_programs()}
+
+
+def _params(max_tokens: int, temperature: float = 0.0) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+async def _one(client: Any, prompt: list[int], params: Any) -> list[int]:
+    final = None
+    async for out in client.generate({"prompt_token_ids": prompt}, params, f"bench-{next(_ids)}"):
+        final = out
+    assert final is not None
+    return list(final.outputs[0].token_ids)
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 13 * j) % 500 + 2 for j in range(n)]  # distinct per i: no prefix-cache hits
+
+
+def _run(loop: asyncio.AbstractEventLoop, client: Any, prompts: list[list[int]], params: list[Any]) -> float:
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(_one(client, p, sp) for p, sp in zip(prompts, params, strict=True)))
+
+    t = time.perf_counter()
+    outs = loop.run_until_complete(together())
+    took = time.perf_counter() - t
+    assert all(len(o) == sp.max_tokens for o, sp in zip(outs, params, strict=True)), [len(o) for o in outs]
+    return took
+
+
+def vllm_figures(engine: Any, weight_bytes: int, hbm_bytes_per_s: float, requests: int) -> dict:
+    """Batch-1 and batch-32 decode, TTFT of a 512-token prompt, mixed requests (programs built while
+    serving counted from torch_tpu's cache) and 16 greedy tokens (to compare engines)."""
+    loop, client, out = asyncio.new_event_loop(), engine.client, {}
+    run = lambda prompts, params: _run(loop, client, prompts, params)  # noqa: E731
+    run([_prompt(1, 16)], [_params(8)])  # first request: untimed
+    ttft16 = statistics.median(run([_prompt(20 + r, 16)], [_params(1)]) for r in range(5))
+    run([_prompt(2, 512)], [_params(1)])
+    out["ttft512_ms"] = 1e3 * statistics.median(run([_prompt(30 + r, 512)], [_params(1)]) for r in range(5))
+    run([_prompt(4, 16)], [_params(256)])
+    b1 = min(run([_prompt(5 + r, 16)], [_params(256)]) for r in range(3))
+    out["decode_batch1_tokens_per_s"] = 255 / (b1 - ttft16)
+    out["fraction_of_roofline"] = out["decode_batch1_tokens_per_s"] / (hbm_bytes_per_s / weight_bytes)
+    run([_prompt(100 + i, 16) for i in range(32)], [_params(128)] * 32)
+    b32 = min(run([_prompt(200 + 32 * r + i, 16) for i in range(32)], [_params(128)] * 32) for r in range(2))
+    out["decode_batch32_tokens_per_s"] = 32 * 128 / b32
+    out["batch32_vs_batch1"] = out["decode_batch32_tokens_per_s"] / out["decode_batch1_tokens_per_s"]
+    rng = random.Random(0)  # the embedded engine's serve_mixed distribution (sampled ones unseeded here)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(1, 512))] for _ in range(requests)]
+    params = [_params(rng.randrange(1, 64), 0.0 if i % 4 else 0.8) for i in range(requests)]
+    before = xla_programs()
+    mixed = run(prompts, params)
+    after = xla_programs()
+    tokens = sum(p.max_tokens for p in params)
+    out |= {
+        "mixed_requests": requests,
+        "mixed_tokens": tokens,
+        "mixed_s": mixed,
+        "mixed_tokens_per_s": tokens / mixed,
+    }
+    out["programs_built_while_serving"] = after.get("xla_programs", -1) - before.get("xla_programs", 0)
+    out["greedy_tokens"] = loop.run_until_complete(_one(client, list(range(3, 40)), _params(16)))
+    loop.close()
+    return out
+
+
+def vllm_weights(path: Path, state: dict, steps: int, device: str, report: Any) -> dict:
+    """A vLLM rollout engine (tpuray.rl.RolloutEngine) on the checkpoint: its start (reported at once; its
+    vLLM configuration differs from `vllm`'s serving one, e.g. its worker extension, so vLLM compiles its
+    own programs), `update_weights` of the full bf16 state dict against the raw host-to-chip transfer of
+    the same bytes, and what `sleep()` says."""
+    from _tpu_engine import timed
+
+    from tpuray.rl import RolloutConfig, RolloutEngine
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.perf_counter()
+    config = RolloutConfig(str(path), engine="vllm", max_model_len=1024, max_num_seqs=32, dtype="bfloat16")
+    engine = RolloutEngine(config)
+    report("vllm_weights_start", start_s=time.perf_counter() - t0, **xla_programs())
+    out: dict[str, Any] = {}
+    try:
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+        out["weight_bytes"] = nbytes
+        out["raw_to_device_s"] = timed(lambda: [t.to(device) for t in state.values()], steps)
+        out["update_s"] = timed(lambda: engine.update_weights(state), steps)
+        out["update_vs_raw"] = out["update_s"] / out["raw_to_device_s"]
+        out["update_gb_s"] = nbytes / out["update_s"] / 1e9
+        try:
+            engine.sleep()
+            out["sleep"] = "slept"
+            engine.wake_up()
+        except Exception as e:  # noqa: BLE001 - the exact error is the figure
+            out["sleep"] = f"{type(e).__name__}: {e}"
+    finally:
+        engine.shutdown()
+    return out
