@@ -151,12 +151,12 @@ def vllm_weights(path: Path, state: dict, steps: int, device: str, report: Any) 
     the same bytes, and what `sleep()` says."""
     from _tpu_engine import timed
 
-    from tpuray.rl import RolloutConfig, RolloutEngine
+    from tpuray.rl import RolloutConfig, rollout_engine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
     config = RolloutConfig(str(path), engine="vllm", max_model_len=1024, max_num_seqs=32, dtype="bfloat16")
-    engine = RolloutEngine(config)
+    engine = rollout_engine(config)
     report("vllm_weights_start", start_s=time.perf_counter() - t0, **xla_programs())
     out: dict[str, Any] = {}
     try:

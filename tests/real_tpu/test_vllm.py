@@ -50,7 +50,7 @@ def _config(path: str, engine: str = "vLLM", **kwargs):
 
 @pytest.fixture(scope="module")
 def server(tpu, trained, loop):
-    from tpuray.serve.llm.replica import LLMServer
+    from tpuray.serve.llm.deployments.server import LLMServer
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # tpu-vm/env.sh sets it; a bare run too
     server = loop.run_until_complete(LLMServer.create(_config(trained)))
@@ -114,7 +114,8 @@ def test_openai_fields_are_honoured(server, loop):
 
 
 def test_float32_is_refused_by_vllm_and_served_by_the_embedded_engine_under_auto(tpu, trained, loop, server):
-    from tpuray.serve.llm.replica import LLMServer, create_backend
+    from tpuray.serve.llm.backends.factory import create_backend
+    from tpuray.serve.llm.deployments.server import LLMServer
     from tpuray.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"computes in bfloat16.*dtype='float32'") as refused:

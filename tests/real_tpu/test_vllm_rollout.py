@@ -38,9 +38,9 @@ def test_updates_and_sleep_through_vllm_on_the_chip(tpu, models, embedded_greedy
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tpuray.rl import RolloutConfig, RolloutEngine, WeightMismatchError
-    from tpuray.rl.vllm_rollout import SleepModeUnavailable
-    from tpuray.serve.llm.engine.embedded.sampling import SamplingParams
+    from tpuray.rl import RolloutConfig, WeightMismatchError, rollout_engine
+    from tpuray.rl.rollout.vllm import SleepModeUnavailable
+    from tpuray.serve.llm.generation import SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     a, b = models
@@ -59,7 +59,7 @@ def test_updates_and_sleep_through_vllm_on_the_chip(tpu, models, embedded_greedy
     config = RolloutConfig(a, engine="vllm", max_model_len=256, max_num_seqs=4, dtype="bfloat16")
     # this test process holds other tests' leftovers: vLLM takes half the chip's memory, not its default
     config.llm_config.engine_kwargs["gpu_memory_utilization"] = 0.5
-    with RolloutEngine(config) as engine:
+    with rollout_engine(config) as engine:
         info = engine.describe()
         print("describe:", {k: info[k] for k in ("platform", "where", "in_process", "sleep_mode")})
         assert info["platform"] == "TpuPlatform" and info["in_process"] and not info["sleep_mode"]

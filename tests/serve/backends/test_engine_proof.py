@@ -131,8 +131,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from tpuray.serve.llm import LLMConfig
-from tpuray.serve.llm.replica import LLMServer
-from tpuray.serve.llm.vllm_backend import VLLMBackend
+from tpuray.serve.llm.deployments.server import LLMServer
+from tpuray.serve.llm.backends.vllm import VLLMBackend
 hd32, hd8, out_path = sys.argv[1:4]
 PROMPT = "Ray schedules tasks"
 kwargs = json.loads(sys.argv[4])

@@ -19,30 +19,6 @@ from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error
 
 
-def _vllm_backend(config: LLMConfig) -> Backend | None:
-    """vLLM's backend for the config; None where llm_engine "auto" hands the model to the embedded engine
-    (config.engine is then "embedded")."""
-    from tpuray.serve.llm import model_source
-    from tpuray.serve.llm.engine.vllm.support import VLLMCannotServe, auto_prefers_embedded
-
-    # build_openai_app decided this already; a config started directly is decided here
-    config.choose_engine_for_model(model_source.read_config(config.model_source))
-    reason = auto_prefers_embedded() if config.engine == "vLLM" and config.llm_engine == "auto" else None
-    if reason:
-        config.serve_with_embedded(reason)
-    if config.engine != "vLLM":
-        return None
-    from tpuray.serve.llm.vllm_backend import VLLMBackend
-
-    try:
-        return VLLMBackend(config)
-    except VLLMCannotServe as e:  # found as vLLM starts, before it loads or compiles anything
-        if config.llm_engine != "auto":
-            raise
-        config.serve_with_embedded(str(e))
-        return None
-
-
 class LLMServer:
     """One model replica. Serve awaits its async constructor; elsewhere use `await LLMServer.create(cfg)`."""
 

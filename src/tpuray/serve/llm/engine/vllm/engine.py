@@ -13,7 +13,7 @@ vLLM's engine core is a child process of the replica, except where vLLM's multip
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's own setting): then it runs in the replica's process
 (inprocess.py), as on a one-chip TPU VM, where one process holds the chip and no TCP socket opens.
 
-The OpenAI layer on top is vLLM's own (tpuray.serve.llm.vllm_backend).
+The OpenAI layer on top is vLLM's own (tpuray.serve.llm.backends.vllm).
 """
 
 from __future__ import annotations
