@@ -16,7 +16,7 @@ import _tracking_loops  # noqa: E402
 
 from tpuray.train import Checkpoint, CheckpointConfig, Result, RunConfig, ScalingConfig  # noqa: E402
 from tpuray.train import checkpoint as ckpt  # noqa: E402
-from tpuray.train.checkpoint_manager import CheckpointManager, RunState  # noqa: E402
+from tpuray.train.checkpoint.manager import CheckpointManager, RunState  # noqa: E402
 from tpuray.validation import ConfigError  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_tracking_loops)

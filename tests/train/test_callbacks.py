@@ -26,8 +26,8 @@ from tpuray.train import (  # noqa: E402
     TensorBoardLoggerCallback,
     TrainingFailedError,
 )
-from tpuray.train.checkpoint_manager import RunState  # noqa: E402
-from tpuray.train.run_hooks import RunHooks  # noqa: E402
+from tpuray.train.callbacks.hooks import RunHooks  # noqa: E402
+from tpuray.train.checkpoint.manager import RunState  # noqa: E402
 from tpuray.train.session import ReportRecord  # noqa: E402
 from tpuray.validation import ConfigError  # noqa: E402
 

@@ -104,7 +104,7 @@ def test_trainer_rejects_bad_arguments_before_reserving() -> None:
 def test_run_state_commits_and_rewinds_exactly_once() -> None:
     """Report i is committed once every rank made it; a restart resumes after the newest committed
     checkpoint and forgets rank-0 history past it."""
-    from tpuray.train.checkpoint_manager import RunState
+    from tpuray.train.checkpoint.manager import RunState
     from tpuray.train.session import ReportRecord
 
     state, seen = RunState(world_size=2), []

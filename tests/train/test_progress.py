@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import sys
 
-from tpuray.train.progress import Progress
+from tpuray.train.callbacks.progress import Progress
 
 
 def test_progress_off_a_terminal_writes_plain_lines(monkeypatch) -> None:

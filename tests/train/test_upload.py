@@ -1,4 +1,4 @@
-"""The per-worker checkpoint uploader (tpuray.train.upload) in this process: snapshots, the order in which
+"""The per-worker checkpoint uploader (tpuray.train.checkpoint.uploads) in this process: snapshots, the order in which
 report records are released (only once their files are uploaded), upload errors, in-place writes.
 
 Two small fsspec filesystems stand in for slow and failing object stores: a local filesystem whose
@@ -16,8 +16,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tpuray.train import CheckpointConfig, CheckpointUploadError, CheckpointUploadMode
 from tpuray.train.checkpoint import PARTIAL_SUFFIX
+from tpuray.train.checkpoint.uploads import (
+    SNAPSHOT_PREFIX,
+    CheckpointUploadTimeout,
+    UploadQueue,
+    parse_upload_mode,
+)
 from tpuray.train.session import ReportRecord
-from tpuray.train.upload import SNAPSHOT_PREFIX, CheckpointUploadTimeout, UploadQueue, parse_upload_mode
 from tpuray.validation import ConfigError
 
 ASYNC, SYNC = CheckpointUploadMode.ASYNC, CheckpointUploadMode.SYNC

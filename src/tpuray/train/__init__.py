@@ -14,13 +14,13 @@ from typing import Any
 
 from tpuray.slices.drain import PreemptionInfo
 from tpuray.train.callbacks import Callback, CallbackError, RunInfo
+from tpuray.train.callbacks.loggers import MLflowLoggerCallback, TensorBoardLoggerCallback
 from tpuray.train.checkpoint import Checkpoint
+from tpuray.train.checkpoint.uploads import CheckpointUploadError, CheckpointUploadMode
 from tpuray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TorchConfig
 from tpuray.train.data import DataConfig, get_dataset_shard
-from tpuray.train.loggers import MLflowLoggerCallback, TensorBoardLoggerCallback
 from tpuray.train.result import Result, TrainingFailedError, WorkerGroupError
 from tpuray.train.session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
-from tpuray.train.upload import CheckpointUploadError, CheckpointUploadMode
 
 __all__ = [
     "Callback",

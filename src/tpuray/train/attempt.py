@@ -33,14 +33,14 @@ from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, failure_do
 from tpuray.slices.group_start import start_group
 from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.slices.worker_group import SliceWorkerGroup
+from tpuray.train.callbacks.progress import Progress
 from tpuray.train.checkpoint import Checkpoint
-from tpuray.train.checkpoint_manager import RunState
+from tpuray.train.checkpoint.manager import RunState
+from tpuray.train.checkpoint.uploads import CheckpointUploadMode, CheckpointUploadTimeout
 from tpuray.train.data import AttemptShards, TrainDatasets
-from tpuray.train.progress import Progress
 from tpuray.train.result import WorkerGroupError
 from tpuray.train.scaling import ScalingConfig
 from tpuray.train.session import ReportRecord, TrainContext
-from tpuray.train.upload import CheckpointUploadMode, CheckpointUploadTimeout
 from tpuray.train.worker import TrainWorker, WorkerOutcome, group_spec
 
 logger = logging.getLogger("tpuray.train")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from tpuray.constants import QUIET_ENV, STORAGE_PATH_ENV
 from tpuray.train.callbacks import Callback, check_callbacks
+from tpuray.train.checkpoint.uploads import CheckpointUploadMode, parse_upload_mode
 from tpuray.train.scaling import ScalingConfig
-from tpuray.train.upload import CheckpointUploadMode, parse_upload_mode
 from tpuray.validation import ConfigError, check_choice, check_positive_int, is_int, is_number
 
 __all__ = ["CheckpointConfig", "FailureConfig", "RunConfig", "ScalingConfig", "TorchConfig"]
@@ -48,13 +48,13 @@ class CheckpointConfig:
     num_to_keep: keep N (None keeps all). checkpoint_score_attribute: rank the checkpoints by this metric
     of the report that made them (nested metrics as "a/b") and keep the best N; None keeps the latest N.
     checkpoint_score_order: "max" (higher is better) or "min". The latest checkpoint is always kept too,
-    since a restart resumes from it (see tpuray.train.checkpoint_manager).
+    since a restart resumes from it (see tpuray.train.checkpoint.manager).
     """
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: str = "max"
-    # "async" (default): report() returns before the upload ends; "sync": after (tpuray.train.upload).
+    # "async" (default): report() returns before the upload ends; "sync": after (tpuray.train.checkpoint.uploads).
     checkpoint_upload_mode: CheckpointUploadMode | str = "async"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ One `WorkerSession` exists per worker process while a training function runs (`s
 worker's only module-level state): its context, the checkpoint it resumes from, its dataset shards, the
 preemption notice and its upload queue. `report()` is cheap: rank 0
 keeps the metrics, every rank uploads its checkpoint files (if any) to
-`<run_path>/checkpoint_<index>` (in the background by default: `tpuray.train.upload`), and the driver
+`<run_path>/checkpoint_<index>` (in the background by default: `tpuray.train.checkpoint.uploads`), and the driver
 drains the queue with `drain()` while training runs; a report's record is drained only once its
 checkpoint files are all uploaded.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tpuray.constants import DEFAULT_UPLOAD_TIMEOUT_S
 from tpuray.slices.drain import PreemptionInfo
 from tpuray.train.checkpoint import Checkpoint, checkpoint_dir
-from tpuray.train.upload import CheckpointUploadMode, UploadQueue, parse_upload_mode
+from tpuray.train.checkpoint.uploads import CheckpointUploadMode, UploadQueue, parse_upload_mode
 
 if TYPE_CHECKING:
     from ray.data import DataIterator
@@ -215,7 +215,7 @@ def report(
     must not be written in place until the next report() returns (tpuray detects it and fails the run
     with CheckpointUploadError naming the file). Upload errors are raised by the next report() or when
     the training function returns. SYNC: the files are in storage when report() returns. Either way the
-    checkpoint is committed only once every rank's files are uploaded (see tpuray.train.upload)."""
+    checkpoint is committed only once every rank's files are uploaded (see tpuray.train.checkpoint.uploads)."""
     require_session("report").report(metrics, checkpoint, checkpoint_upload_mode)
 
 

@@ -1,7 +1,7 @@
 """The driver loop behind TorchTrainer.fit(): one attempt after another (`tpuray.train.attempt`: reserve
 -> start workers -> set up torch.distributed -> run -> collect reports -> tear down), restarting from the
 latest committed checkpoint after worker/host failures and preemptions (checkpoint bookkeeping:
-`tpuray.train.checkpoint_manager`; callbacks: `tpuray.train.run_hooks`).
+`tpuray.train.checkpoint.manager`; callbacks: `tpuray.train.callbacks.hooks`).
 
 A lost slice ends the attempt instead of hanging it (every wait of an attempt is bounded): reservation
 and worker start within $TPURAY_TRAIN_RESERVE_TIMEOUT_S (SliceReservationTimeout when no slice frees up:
@@ -23,12 +23,12 @@ from tpuray.slices.placement import SliceReservationTimeout
 from tpuray.train import checkpoint as ckpt
 from tpuray.train.attempt import Attempt, AttemptPlan, Preempted, WorkerDied
 from tpuray.train.callbacks import RunInfo
-from tpuray.train.checkpoint_manager import CheckpointManager, RunState
+from tpuray.train.callbacks.hooks import RunHooks
+from tpuray.train.callbacks.progress import Progress
+from tpuray.train.checkpoint.manager import CheckpointManager, RunState
 from tpuray.train.config import RunConfig, ScalingConfig, TorchConfig
 from tpuray.train.data import DataConfig, TrainDatasets
-from tpuray.train.progress import Progress
 from tpuray.train.result import Result, TrainingFailedError, WorkerGroupError
-from tpuray.train.run_hooks import RunHooks
 from tpuray.train.session import ReportRecord
 from tpuray.train.worker import upload_timeout_s
 

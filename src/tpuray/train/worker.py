@@ -18,9 +18,9 @@ from tpuray.slices.worker import SliceWorker
 from tpuray.slices.worker_group import WorkerGroupSpec
 from tpuray.train import session
 from tpuray.train.checkpoint import Checkpoint
+from tpuray.train.checkpoint.uploads import CheckpointUploadMode
 from tpuray.train.config import ScalingConfig
 from tpuray.train.session import TrainContext
-from tpuray.train.upload import CheckpointUploadMode
 from tpuray.validation import ConfigError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Driver-side callbacks (`RunConfig(callbacks=[...])`): the `Callback` base class and what its hooks see.
 
 A `Callback` sees the run start, every report (once every rank has made it), every committed checkpoint,
-every restart and the end of `fit()`, all on the driver; `tpuray.train.run_hooks` delivers those events.
+every restart and the end of `fit()`, all on the driver; `tpuray.train.callbacks.hooks` delivers those events.
 A callback that raises fails the run with `CallbackError` naming it; nothing a callback raises is
 swallowed.
 """

@@ -3,7 +3,7 @@ thread (`CheckpointUploadMode.ASYNC`, the default).
 
 A worker hands a report's record to the driver (`UploadQueue.drain()`) only once every file of that
 report's checkpoint is in storage, in report order: the worker's half of the commit rule (written out,
-with the driver's half, in `tpuray.train.checkpoint_manager`). On local storage each file is written
+with the driver's half, in `tpuray.train.checkpoint.manager`). On local storage each file is written
 under a temporary name and renamed into place, so no file is ever seen half-written under its own name.
 
 ASYNC. `report()` takes a *snapshot* of the directory and returns; the upload runs meanwhile:

@@ -1,7 +1,7 @@
 """`RunHooks`: how the trainer calls the run's callbacks (`tpuray.train.callbacks.Callback`), on the driver.
 
 Reports are delivered in report order, each once every rank has made it (a checkpointed one once its
-checkpoint is committed: `tpuray.train.checkpoint_manager`). A callback that raises fails the run with
+checkpoint is committed: `tpuray.train.checkpoint.manager`). A callback that raises fails the run with
 `CallbackError` naming it; `on_end` runs for every started callback on every path.
 """
 
@@ -16,7 +16,7 @@ from tpuray.train.callbacks import Callback, CallbackError, RunInfo
 from tpuray.train.result import Result, TrainingFailedError
 
 if TYPE_CHECKING:
-    from tpuray.train.checkpoint_manager import RunState
+    from tpuray.train.checkpoint.manager import RunState
 
 logger = logging.getLogger("tpuray.train")
 

@@ -134,7 +134,7 @@ class WorkerShards:
         out (their iter_torch_batches() defaults to get_device())."""
         from ray.data.context import DataContext
 
-        from tpuray.train._data_iterator import TrainDataIterator
+        from tpuray.train.data.iterator import TrainDataIterator
 
         DataContext._set_current(self.data_context)
         return {name: TrainDataIterator(it) for name, it in self.iterators.items()}

@@ -3,7 +3,7 @@ checkpoints are kept (`CheckpointManager`).
 
 Commit rule. Every rank numbers its report() calls 0, 1, 2, ... (continuing after a restart). A worker
 hands a report's record to the driver only once every file of that report's checkpoint is in storage,
-in report order (`tpuray.train.upload.UploadQueue`: a report made while an upload is in flight waits
+in report order (`tpuray.train.checkpoint.uploads.UploadQueue`: a report made while an upload is in flight waits
 behind it). Report i is *committed* once every rank's record of it has been drained (`RunState.commit()`),
 so a committed checkpoint_i has every rank's files, even with asynchronous uploads. A worker that dies
 or fails mid-upload never hands over record i, so checkpoint i is never committed: a restart resumes
