@@ -148,22 +148,21 @@ def vllm_weights(path: Path, state: dict, steps: int, device: str, report: Any) 
     """A vLLM rollout engine (tpuray.rl.RolloutEngine) on the checkpoint: its start (reported at once; its
     vLLM configuration differs from `vllm`'s serving one, e.g. its worker extension, so vLLM compiles its
     own programs), `update_weights` of the full bf16 state dict against the raw host-to-chip transfer of
-    the same bytes, and what `sleep()` says."""
+    the same bytes (timed first, before vLLM reserves most of the chip's memory), and what `sleep()` says."""
     from _tpu_engine import timed
 
     from tpuray.rl import RolloutConfig, rollout_engine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    out: dict[str, Any] = {"weight_bytes": nbytes}
+    out["raw_to_device_s"] = timed(lambda: [t.to(device) for t in state.values()], steps)
+    report("vllm_weights_raw", **out)
     t0 = time.perf_counter()
     config = RolloutConfig(str(path), engine="vllm", max_model_len=1024, max_num_seqs=32, dtype="bfloat16")
     engine = rollout_engine(config)
     report("vllm_weights_start", start_s=time.perf_counter() - t0, **xla_programs())
-    out: dict[str, Any] = {}
     try:
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-
-        out["weight_bytes"] = nbytes
-        out["raw_to_device_s"] = timed(lambda: [t.to(device) for t in state.values()], steps)
         out["update_s"] = timed(lambda: engine.update_weights(state), steps)
         out["update_vs_raw"] = out["update_s"] / out["raw_to_device_s"]
         out["update_gb_s"] = nbytes / out["update_s"] / 1e9
