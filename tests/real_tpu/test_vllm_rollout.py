@@ -56,6 +56,8 @@ def test_updates_and_sleep_through_vllm_on_the_chip(tpu, models, embedded_greedy
     if hasattr(torch.accelerator, "empty_cache"):
         torch.accelerator.empty_cache()
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    # "auto" picks the embedded engine on this platform (it sleeps; vLLM's sleep mode is refused here)
+    assert RolloutConfig(a, max_model_len=256, max_num_seqs=4, dtype="bfloat16").resolved_engine == "embedded"
     config = RolloutConfig(a, engine="vllm", max_model_len=256, max_num_seqs=4, dtype="bfloat16")
     # this test process holds other tests' leftovers: vLLM takes half the chip's memory, not its default
     config.llm_config.engine_kwargs["gpu_memory_utilization"] = 0.5

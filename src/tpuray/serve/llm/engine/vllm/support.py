@@ -85,11 +85,12 @@ def dtype_problem(asked: Any, resolved: Any, platform: str) -> str | None:
     )
 
 
-def auto_prefers_embedded() -> str | None:
-    """Why llm_engine "auto" serves with the embedded engine here although vLLM is installed; None where
-    vLLM serves. On vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every
-    figure but one (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles
-    nothing while serving and sleeps for RL; llm_engine "vLLM" still selects vLLM there."""
+def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
+    """Why "auto" runs the embedded engine here although vLLM is installed; None where vLLM runs. On
+    vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure but one
+    (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles nothing while serving and sleeps for RL
+    (vLLM's sleep mode is refused there); `switch` (serving's llm_engine='vLLM', RL's engine='vllm')
+    still selects vLLM there."""
     from vllm.platforms import current_platform
 
     platform = type(current_platform).__name__
@@ -97,6 +98,6 @@ def auto_prefers_embedded() -> str | None:
         return None
     return (
         f"on {platform} (vLLM-TorchTPU) the embedded engine decodes faster (batch 1, batch 32, mixed "
-        "requests) and compiles nothing while serving; vLLM's prompt (TTFT) is faster: set "
-        "llm_engine='vLLM' to serve with it"
+        "requests), compiles nothing while serving and sleeps (vLLM's sleep mode is refused there); "
+        f"vLLM's prompt (TTFT) is faster: set {switch} to run vLLM"
     )
