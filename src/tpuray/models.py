@@ -8,6 +8,8 @@ corpus, wrapped in `PreTrainedTokenizerFast` with a chat template. Both are save
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from tpuray.validation import ConfigError
@@ -110,9 +112,29 @@ def build_tiny_causal_lm(
         tokenizer.eos_token_id,
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
-    model.save_pretrained(path)
+    _save(model, path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: a tiny model is one shard, loaded or written in milliseconds; a
+    bar would only put carriage returns into the caller's logs."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _save(model, path: str | Path) -> None:
+    with _no_progress_bars():
+        model.save_pretrained(path)
 
 
 def train_tiny_causal_lm(
@@ -126,7 +148,8 @@ def train_tiny_causal_lm(
 
     path = build_tiny_causal_lm(path, corpus, seed=seed, **model_kwargs)
     ids = AutoTokenizer.from_pretrained(path)(corpus or DEFAULT_CORPUS)["input_ids"]
-    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).train()
+    with _no_progress_bars():
+        model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(seed)
     window = min(128, len(ids) - 1)
@@ -137,5 +160,5 @@ def train_tiny_causal_lm(
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval().save_pretrained(path)
+    _save(model.eval(), path)
     return path
