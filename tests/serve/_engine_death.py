@@ -109,7 +109,9 @@ async def kill_under_load(load: Load, kill: Callable[[], object], clients: int =
 def check_the_deadline_ends_a_running_stream(config, model: str, timeout_s: float) -> None:
     """In this process: a replica (LLMServer) for `config` streams a 100-token completion; the failover
     slot retires its engine with a preemption deadline already past. The stream must end early with the
-    replica's 503 naming SlicePreemptedError (its last chunk), not run on or hang."""
+    replica's 503 naming SlicePreemptedError (its last chunk), not run on or hang; a request after it gets
+    the same 503, and the replica's health check fails with a builtin exception naming the error (what
+    Serve's controller can read without importing the engine: issue 45)."""
     from tpuray.serve.llm.deployments.server import LLMServer
     from tpuray.serve.llm.openai.errors import OpenAIError
     from tpuray.slices.drain import PreemptionInfo
@@ -127,12 +129,19 @@ def check_the_deadline_ends_a_running_stream(config, model: str, timeout_s: floa
             )
             await server.slot._retire(server.slot._lease, past)  # the deadline came: the engine ends
             chunks += [chunk async for chunk in stream]
-            return chunks
+            late = await server.handle("completions", {**body, "stream": False})
+            try:
+                await server.check_health()
+            except Exception as e:  # noqa: BLE001 - the failed check is what the test reads
+                return chunks, late, e
+            return chunks, late, None
         finally:
             server.shutdown()
 
-    chunks = asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
+    chunks, late, health = asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
     error = chunks[-1]
     assert isinstance(error, OpenAIError), chunks[-3:]
     assert error.status == 503 and "SlicePreemptedError" in str(error), error
     assert len(chunks) < 100  # it ended early, not after its 100 tokens
+    assert isinstance(late, OpenAIError) and (late.status, late.code) == (503, "engine_dead"), late
+    assert type(health) is RuntimeError and "SlicePreemptedError" in str(health), repr(health)

@@ -5,7 +5,8 @@ interface every backend follows (`Backend`) is in backends/base.py.
 
 Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
 instead of raising it, so a bad request costs no exception traceback in the replica log. A request that
-fails because the engine died (`Backend.engine_error`) gets `engine_dead_error` (503), never a 500.
+fails because the engine died (`Backend.engine_error`) gets `engine_dead_error` (503), never a 500; one
+that arrives once the death is known gets it at once, before anything of it is parsed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class LLMServer:
         backend = None
         try:
             async with self.slot.use() as backend:
+                dead = backend.engine_error()
+                if dead is not None:  # at once: nothing of the request is parsed or queued on a dead engine
+                    return engine_dead_error(self.model_id, dead)
                 return await backend.handle(endpoint, body)
         except Exception as e:  # noqa: BLE001 - request errors and engine deaths become OpenAI errors
             return self._error(backend, e)
@@ -76,6 +80,10 @@ class LLMServer:
         backend = None
         try:
             async with self.slot.use() as backend:
+                dead = backend.engine_error()
+                if dead is not None:
+                    yield engine_dead_error(self.model_id, dead)
+                    return
                 async for chunk in backend.handle_stream(endpoint, body):
                     yield chunk
         except Exception as e:  # noqa: BLE001 - request errors and engine deaths become OpenAI errors
@@ -101,9 +109,20 @@ class LLMServer:
 
     async def check_health(self) -> None:
         """Serve restarts the replica (and so re-reserves its slice) when the engine died; not while it
-        moves off a preempted slice."""
-        if self.slot is not None:
+        moves off a preempted slice.
+
+        The failure reaches Serve's controller as a plain RuntimeError naming the engine's error: the
+        controller unpickles what a health check raises, and an engine's own exception class (vLLM's
+        EngineDeadError) would make it import that engine first, which on a loaded machine took minutes
+        during which it replaced no replica."""
+        if self.slot is None:
+            return
+        try:
             await self.slot.check_health()
+        except Exception as e:  # noqa: BLE001 - any engine failure fails the check, as a builtin type
+            raise RuntimeError(
+                f"model {self.model_id!r}: engine unhealthy: {type(e).__name__}: {e}"
+            ) from None
 
     def shutdown(self) -> None:
         """Stop the engine(s): workers and slices, a replacement's included (idempotent)."""
