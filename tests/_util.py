@@ -47,6 +47,25 @@ def new_placement_groups(before: set[str] | dict, timeout_s: float = 30.0) -> di
         time.sleep(0.1)
 
 
+def live_processes(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """Those of `pids` still running (zombies count as ended) once none is or `timeout_s` has passed: []
+    when every process exited (a killed actor's process exits asynchronously)."""
+    import psutil
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in pids if running(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
 def read_ranks(out_dir) -> list[dict]:
     """The rank*.json documents a train loop dumped into `out_dir` (tests/train/_loops.py), by rank."""
     import glob

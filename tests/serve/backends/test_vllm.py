@@ -468,6 +468,24 @@ def test_fuzz_from_the_openapi_document_on_vllm(cpu_app):
     fuzz_app(cpu_app, document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
+def _engine_core_killed_under_load(url: str, model: str, app_name: str) -> tuple[dict, dict]:
+    """Kill the model's vLLM engine core under load (kill_under_load): only 200s and 503s, the kill seen,
+    then a new engine core. The engine's description before and after."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer:{model}", app_name=app_name)
+    old = handle.describe.remote().result()
+    assert old["engine_core_pids"], old
+    load = Load(url + "/v1/completions", model, headers={"Authorization": f"Bearer {API_KEY}"})
+    kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
+    tally = asyncio.run(kill_under_load(load, kill))
+    assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
+    assert tally.get("503"), tally  # the kill was seen
+    new = handle.describe.remote().result()
+    assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
+    return old, new
+
+
 @pytest.mark.full(FULL)
 def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
@@ -475,18 +493,23 @@ def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
     the old replica's shutdown does not hang on the dead core's client. The one-chip model's replica (a
     replacement starts in seconds, not the TP=4 slice's minute); a replacement's slice reservation is
     released and retaken in test_engine_death.py (the embedded engine) and on deletion below (vLLM)."""
-    from ray import serve
+    _engine_core_killed_under_load(cpu_app, TP1, CPU_APP)
 
-    handle = serve.get_deployment_handle(f"LLMServer:{TP1}", app_name=CPU_APP)
-    old = handle.describe.remote().result()
-    assert old["engine_core_pids"], old
-    load = Load(cpu_app + "/v1/completions", TP1, headers={"Authorization": f"Bearer {API_KEY}"})
-    kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
-    tally = asyncio.run(kill_under_load(load, kill))
-    assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
-    assert tally.get("503"), tally  # the kill was seen
-    new = handle.describe.remote().result()
-    assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
+
+@pytest.mark.full(
+    "CI: a dead engine at tensor_parallel_size 2 (serve/deployments/test_engine_death.py::"
+    "test_a_dead_engine_worker_gets_503s_then_a_new_replica[tp2])"
+)
+def test_a_dead_tp4_engine_core_gets_503s_then_a_new_replica(app):
+    """Issue 45: vLLM's engine core killed under load at TP=4 (its Ray executor's 4 workers on the
+    slice): requests in flight and after get a 503, never a hang; Serve replaces the replica, whose engine
+    reserves a slice again; the dead engine's workers and placement group are gone."""
+    old, new = _engine_core_killed_under_load(app[0], TP4, "tpuray-vllm")
+    others = set(live_placement_groups()) - {old["placement_group_id"]}
+    assert not new_placement_groups(others), "the dead engine's slice placement group was not released"
+    workers = [r for r in _alive_actors() if r.class_name.startswith("RayWorker")]
+    assert len(workers) == 4, [r.class_name for r in workers]  # the new engine's; the dead one's are gone
+    assert {w.placement_group_id.hex() for w in workers} == {new["placement_group_id"]}
 
 
 def test_deleting_the_app_releases_the_slice(app):

@@ -1,8 +1,9 @@
 """An embedded engine that dies under load leaves no zombie replica (issue 22, item 2): its requests, in
 flight and after, get a 503 OpenAI error (never a 500, never a hang), the replica fails its health check,
 Serve replaces it, and the app answers 200 again on a fresh reservation of a slice, the dead engine's
-placement group released. CI kills an engine worker's process; the full tier also kills a whole host of
-the slice the replacement took. (vLLM's engine core: test_vllm.py.)"""
+placement group released. CI kills one engine worker's process at tensor_parallel_size 2 (issue 45: the
+other rank lives on); the full tier also at TP 1 and 4, and kills a whole host of the slice the
+replacement took. (vLLM's engine core: test_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from _configs import MAX_MODEL_LEN
 from _engine_death import Load, kill_under_load
 
-from _util import live_placement_groups, new_placement_groups
+from _util import live_placement_groups, live_processes, new_placement_groups
 from tpuray.constants import ROLE_LABEL
 
 APP = "death"
@@ -33,26 +34,36 @@ def _check_replaced(handle, before: set[str], old_pgs: set[str], old: dict) -> d
     assert {w["pid"] for w in new["workers"]}.isdisjoint(w["pid"] for w in old["workers"])
     assert not (pgs - before) & old_pgs, "the dead engine's placement group was not released"
     assert len(pgs - before) == len(old_pgs), f"placement groups now: {pgs - before}, before: {old_pgs}"
+    left = live_processes([w["pid"] for w in old["workers"]])
+    assert not left, f"the dead engine's worker processes {left} outlived it"
     return new
 
 
+FULL_TP = (
+    "CI: a dead engine worker at tensor_parallel_size 2 "
+    "(test_a_dead_engine_worker_gets_503s_then_a_new_replica[tp2])"
+)
+
+
 @pytest.fixture
-def death_app(serve_url, pg_leak_check, tiny_model_dir) -> Iterator[tuple[Any, Load, set[str]]]:
-    """The app (one replica on the CPU head, its engine on a 2x2 slice), its load and the placement
-    groups alive before it; deleted after the test, its slice's placement group with it."""
+def death_app(request, serve_url, pg_leak_check, tiny_model_dir) -> Iterator[tuple[Any, Load, set[str]]]:
+    """The app (one replica on the CPU head, its engine on a 2x2 slice at tensor_parallel_size
+    `request.param`, default 2), its load and the placement groups alive before it; deleted after the
+    test, its slice's placement group with it."""
     from ray import serve
 
     from tpuray.serve.llm import LLMConfig, LLMServingArgs, build_openai_app
 
+    tp = getattr(request, "param", 2)
     before = set(live_placement_groups())
     config = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": tiny_model_dir},
         llm_engine="embedded",
         accelerator_type="TPU-V6E",
         accelerator_config={"kind": "tpu", "topology": "2x2"},
-        # one engine worker holding the slice's 4 chips: one process to start per replacement, not 4
-        placement_group_config={"bundle_per_worker": {"TPU": 4}},
-        engine_kwargs={"tensor_parallel_size": 1, "max_model_len": MAX_MODEL_LEN},
+        # TP engine workers share the slice's 4 chips: 2 processes to start per replacement in CI, not 4
+        placement_group_config={"bundle_per_worker": {"TPU": 4 // tp}},
+        engine_kwargs={"tensor_parallel_size": tp, "max_model_len": MAX_MODEL_LEN},
         deployment_config={
             # the replica on the CPU head, its engine on a slice: a host death takes the engine only
             "ray_actor_options": {"label_selector": {ROLE_LABEL: "head"}},
@@ -79,10 +90,17 @@ def _killed_under_load(handle, load: Load, before: set[str], kill: Callable[[dic
     return _check_replaced(handle, before, old_pgs, old)
 
 
+@pytest.mark.parametrize(
+    "death_app",
+    [2, pytest.param(1, marks=pytest.mark.full(FULL_TP)), pytest.param(4, marks=pytest.mark.full(FULL_TP))],
+    indirect=True,
+    ids=lambda tp: f"tp{tp}",
+)
 def test_a_dead_engine_worker_gets_503s_then_a_new_replica(death_app) -> None:
     def kill_worker(engine: dict) -> None:
-        (worker,) = engine["workers"]
-        os.kill(worker["pid"], signal.SIGKILL)
+        workers = engine["workers"]
+        assert len(workers) == engine["tensor_parallel_size"], workers  # one worker per TP rank
+        os.kill(workers[-1]["pid"], signal.SIGKILL)  # at TP > 1 a rank whose peers live on
 
     _killed_under_load(*death_app, kill_worker)
 
