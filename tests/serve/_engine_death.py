@@ -9,7 +9,10 @@ refuse. Every request has a client timeout: a hang fails the test instead of sta
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +107,24 @@ async def kill_under_load(load: Load, kill: Callable[[], object], clients: int =
         stop.set()
         await asyncio.gather(*tasks)
     return load.tally(killed_at)
+
+
+def engine_core_killed_under_load(url: str, model: str, app_name: str, headers: dict) -> tuple[dict, dict]:
+    """Kill the model's vLLM engine core under load (kill_under_load): only 200s and 503s, the kill seen,
+    then a new engine core. The engine's description before and after."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer:{model}", app_name=app_name)
+    old = handle.describe.remote().result()
+    assert old["engine_core_pids"], old
+    load = Load(url + "/v1/completions", model, headers=headers)
+    kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
+    tally = asyncio.run(kill_under_load(load, kill))
+    assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
+    assert tally.get("503"), tally  # the kill was seen
+    new = handle.describe.remote().result()
+    assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
+    return old, new
 
 
 def check_the_deadline_ends_a_running_stream(config, model: str, timeout_s: float) -> None:

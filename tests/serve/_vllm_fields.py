@@ -1,5 +1,7 @@
 """vLLM's request fields the embedded engine refuses, each with a value other than vLLM's default:
-(endpoint path, field, value). Shared by the in-process tests and the HTTP bad-request list."""
+(endpoint path, field, value). Shared by the in-process tests and the HTTP bad-request list. And
+BAD_VLLM_REQUESTS: requests vLLM's own validation refuses (test_vllm.py), (endpoint, fields, the param
+the 400 must name)."""
 
 from __future__ import annotations
 
@@ -41,3 +43,37 @@ _CHAT_ONLY = [
 ]
 
 VLLM_REFUSED = [(C, f, v) for f, v in _BOTH + _COMPLETION_ONLY] + [(CH, f, v) for f, v in _BOTH + _CHAT_ONLY]
+
+BAD_VLLM_REQUESTS = [
+    ("completions", {"echo": "yes"}, "echo"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"n": "2"}, "n"),
+    ("completions", {"n": 2.0}, "n"),
+    ("completions", {"max_tokens": 0.5}, "max_tokens"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    (
+        "completions",
+        {"stream": True, "stream_options": {"include_usage": "maybe"}},
+        "stream_options.include_usage",
+    ),
+    ("completions", {"suffix": "!"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"logprobs": -3}, "logprobs"),
+    ("completions", {"temperature": -1.0}, "temperature"),
+    ("completions", {"top_p": 0.0}, "top_p"),
+    ("completions", {"presence_penalty": 3.0}, "presence_penalty"),
+    ("completions", {"seed": "one"}, "seed"),
+    ("completions", {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
+    ("chat", {"logprobs": "true"}, "logprobs"),
+    ("chat", {"store": True}, "store"),
+    ("chat", {"metadata": {"k": "v"}}, "metadata"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),  # {} turns search on
+    ("chat", {"metadata": {}, "store": True}, "store"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"service_tier": "flex"}, "service_tier"),
+    ("chat", {"verbosity": "low"}, "verbosity"),
+    ("chat", {"max_completion_tokens": "4"}, "max_completion_tokens"),
+]

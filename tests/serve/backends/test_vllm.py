@@ -6,19 +6,16 @@ not installed (`make test` installs it)."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import os
-import signal
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from _engine_death import Load, check_the_deadline_ends_a_running_stream, kill_under_load
+from _engine_death import check_the_deadline_ends_a_running_stream, engine_core_killed_under_load
 from _openapi_fuzz import VLLM_EXAMPLES, fuzz_app
 from _schemas import PERSON
+from _vllm_fields import BAD_VLLM_REQUESTS
 
 from _util import live_placement_groups, new_placement_groups
 from tpuray.serve.llm.engine.vllm import vllm_available
@@ -28,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 API_KEY = "vllm-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 TP4, TP1 = "tiny-tp4", "tiny-tp1"
 CPU_APP = "tpuray-vllm-cpu"
 FULL = "CI: vLLM TP=4 on the slice, the same tests (this module), the fuzz and a dead engine's 503s on the embedded engine (serve/openai/test_http_fuzz.py, serve/deployments/test_engine_death.py)"
@@ -236,41 +234,6 @@ def test_openai_sampling_fields_pass_through_to_vllm(client, hf):
     assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
 
 
-BAD_VLLM_REQUESTS = [  # (endpoint, fields, the param the 400 must name)
-    ("completions", {"echo": "yes"}, "echo"),
-    ("completions", {"logprobs": True}, "logprobs"),
-    ("completions", {"n": "2"}, "n"),
-    ("completions", {"n": 2.0}, "n"),
-    ("completions", {"max_tokens": 0.5}, "max_tokens"),
-    ("completions", {"temperature": "hot"}, "temperature"),
-    (
-        "completions",
-        {"stream": True, "stream_options": {"include_usage": "maybe"}},
-        "stream_options.include_usage",
-    ),
-    ("completions", {"suffix": "!"}, "suffix"),
-    ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logprobs": -3}, "logprobs"),
-    ("completions", {"temperature": -1.0}, "temperature"),
-    ("completions", {"top_p": 0.0}, "top_p"),
-    ("completions", {"presence_penalty": 3.0}, "presence_penalty"),
-    ("completions", {"seed": "one"}, "seed"),
-    ("completions", {"stop_token_ids": ["a"]}, "stop_token_ids.0"),
-    ("chat", {"logprobs": "true"}, "logprobs"),
-    ("chat", {"store": True}, "store"),
-    ("chat", {"metadata": {"k": "v"}}, "metadata"),
-    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("chat", {"web_search_options": {}}, "web_search_options"),  # {} turns search on
-    ("chat", {"metadata": {}, "store": True}, "store"),
-    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
-    ("chat", {"service_tier": "flex"}, "service_tier"),
-    ("chat", {"verbosity": "low"}, "verbosity"),
-    ("chat", {"max_completion_tokens": "4"}, "max_completion_tokens"),
-]
-
-
 @pytest.mark.parametrize(("endpoint", "fields", "param"), BAD_VLLM_REQUESTS, ids=lambda x: str(x)[:30])
 def test_bad_requests_to_vllm_are_400s_naming_the_param(app, endpoint, fields, param):
     base, headers = app[0], {"Authorization": f"Bearer {API_KEY}"}
@@ -468,24 +431,6 @@ def test_fuzz_from_the_openapi_document_on_vllm(cpu_app):
     fuzz_app(cpu_app, document, TP1, VLLM_EXAMPLES, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
-def _engine_core_killed_under_load(url: str, model: str, app_name: str) -> tuple[dict, dict]:
-    """Kill the model's vLLM engine core under load (kill_under_load): only 200s and 503s, the kill seen,
-    then a new engine core. The engine's description before and after."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(f"LLMServer:{model}", app_name=app_name)
-    old = handle.describe.remote().result()
-    assert old["engine_core_pids"], old
-    load = Load(url + "/v1/completions", model, headers={"Authorization": f"Bearer {API_KEY}"})
-    kill = functools.partial(os.kill, old["engine_core_pids"][0], signal.SIGKILL)
-    tally = asyncio.run(kill_under_load(load, kill))
-    assert set(tally) <= {"ok", "503"}, tally  # nothing else: no 500, no hang
-    assert tally.get("503"), tally  # the kill was seen
-    new = handle.describe.remote().result()
-    assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
-    return old, new
-
-
 @pytest.mark.full(FULL)
 def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
@@ -493,7 +438,7 @@ def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
     the old replica's shutdown does not hang on the dead core's client. The one-chip model's replica (a
     replacement starts in seconds, not the TP=4 slice's minute); a replacement's slice reservation is
     released and retaken in test_engine_death.py (the embedded engine) and on deletion below (vLLM)."""
-    _engine_core_killed_under_load(cpu_app, TP1, CPU_APP)
+    engine_core_killed_under_load(cpu_app, TP1, CPU_APP, HEADERS)
 
 
 @pytest.mark.full(
@@ -504,7 +449,7 @@ def test_a_dead_tp4_engine_core_gets_503s_then_a_new_replica(app):
     """Issue 45: vLLM's engine core killed under load at TP=4 (its Ray executor's 4 workers on the
     slice): requests in flight and after get a 503, never a hang; Serve replaces the replica, whose engine
     reserves a slice again; the dead engine's workers and placement group are gone."""
-    old, new = _engine_core_killed_under_load(app[0], TP4, "tpuray-vllm")
+    old, new = engine_core_killed_under_load(app[0], TP4, "tpuray-vllm", HEADERS)
     others = set(live_placement_groups()) - {old["placement_group_id"]}
     assert not new_placement_groups(others), "the dead engine's slice placement group was not released"
     workers = [r for r in _alive_actors() if r.class_name.startswith("RayWorker")]
