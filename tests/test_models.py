@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,10 @@ build_tiny_causal_lm({str(tmp_path / "a")!r})
 train_tiny_causal_lm({str(tmp_path / "b")!r}, steps=1)
 assert hf_logging.is_progress_bar_enabled()
 """
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}  # bars on by default
+    out = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (out.stdout, out.stderr) == ("", ""), out.stderr[-2000:]
     assert (tmp_path / "b" / "config.json").exists()
