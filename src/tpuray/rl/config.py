@@ -75,7 +75,7 @@ class RolloutConfig:
         )
         if self.llm_config.engine == "vLLM":  # "auto": vLLM only where it can run this model (logged)
             self.llm_config.choose_engine_for_model(self.model_config())
-            self._prefer_embedded_on_tpu()
+            self.llm_config.prefer_embedded_on_this_host(switch="engine='vllm'")
         self.resolved_engine = "vllm" if self.llm_config.engine == "vLLM" else "embedded"
 
     def _check_values(self) -> None:
@@ -120,17 +120,6 @@ class RolloutConfig:
             )
             return "embedded"
         return self.engine
-
-    def _prefer_embedded_on_tpu(self) -> None:
-        """ "auto" where vLLM runs on vLLM-TorchTPU's platform (a real TPU, as this process sees it): the
-        embedded engine, as serving's "auto" there (logged with the reason)."""
-        if self.engine != "auto" or self.llm_config.engine != "vLLM":
-            return
-        from tpuray.serve.llm.engine.vllm.support import auto_prefers_embedded
-
-        reason = auto_prefers_embedded(switch="engine='vllm'")
-        if reason:
-            self.llm_config.serve_with_embedded(reason)
 
     def model_config(self) -> dict[str, Any]:
         """The model's config.json (Hugging Face), read from `model_source` resolved here."""

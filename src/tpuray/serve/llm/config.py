@@ -323,6 +323,19 @@ class LLMConfig:
             )
         self.serve_with_embedded(problem)
 
+    def prefer_embedded_on_this_host(self, switch: str = "llm_engine='vLLM'") -> None:
+        """llm_engine "auto" where this process's vLLM is vLLM-TorchTPU (a real TPU): the embedded engine,
+        with a warning saying why (engine/vllm/support.py `auto_prefers_embedded`; `switch` names the
+        setting that selects vLLM anyway). Decided where the engine's host is known: the serving replica,
+        or the process that builds a RolloutConfig."""
+        if self.engine != "vLLM" or self.llm_engine != "auto":
+            return
+        from tpuray.serve.llm.engine.vllm.support import auto_prefers_embedded
+
+        reason = auto_prefers_embedded(switch)
+        if reason:
+            self.serve_with_embedded(reason)
+
     def serve_with_embedded(self, problem: str) -> None:
         """llm_engine "auto" when vLLM cannot serve the model (`problem` says why): the embedded engine
         serves it, with a warning saying why, if it can take this config (else a ConfigError naming both)."""

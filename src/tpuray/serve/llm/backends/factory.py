@@ -35,13 +35,11 @@ def _vllm_backend(config: LLMConfig) -> Backend | None:
     """vLLM's backend for the config; None where llm_engine "auto" hands the model to the embedded engine
     (config.engine is then "embedded")."""
     from tpuray.serve.llm import model_source
-    from tpuray.serve.llm.engine.vllm.support import VLLMCannotServe, auto_prefers_embedded
+    from tpuray.serve.llm.engine.vllm.support import VLLMCannotServe
 
     # build_openai_app decided this already; a config started directly is decided here
     config.choose_engine_for_model(model_source.read_config(config.model_source))
-    reason = auto_prefers_embedded() if config.engine == "vLLM" and config.llm_engine == "auto" else None
-    if reason:
-        config.serve_with_embedded(reason)
+    config.prefer_embedded_on_this_host()
     if config.engine != "vLLM":
         return None
     from tpuray.serve.llm.backends.vllm import VLLMBackend
