@@ -144,6 +144,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         load_s=load_s,
         warmup_s=runner.warmup_s,
         programs=built,
+        loaded_programs=runner.loaded_programs,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),

@@ -96,3 +96,48 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
+
+
+# A compiled ModelRunner started in a child process (a "start" of the embedded engine's runner): builds or
+# loads its step programs (tpuray.serve.llm.engine.embedded.programs), runs a greedy prefill and 8 decode
+# steps of two prompts (of the tiny model at the path, built there first if missing), prints one JSON line: programs compiled and loaded, and the greedy tokens.
+RUNNER_START = """
+import json, os, sys
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.step_plan import Buckets
+path, device, backend = sys.argv[1:4]
+if not os.path.exists(os.path.join(path, "config.json")):  # built here: on a TPU VM one process holds the chip
+    from tpuray.models import build_tiny_causal_lm
+    build_tiny_causal_lm(path, max_position_embeddings=512)
+buckets = Buckets(batch=(1, 2), tokens=(16,), context=(64,), prefill_seqs=2)
+r = ModelRunner(path, max_num_seqs=2, max_model_len=64, device=device, compile=True, compile_backend=backend,
+                buckets=buckets)
+warm = r.warmup()
+rows, tokens = [(0, [5, 6, 7, 8], 0, None), (1, [9, 10, 11], 0, None)], []
+for i in range(9):
+    tokens.append(r.step(rows, need_logits=False).token_ids)
+    rows = [(0, [tokens[-1][0]], 4 + i, None), (1, [tokens[-1][1]], 3 + i, None)]
+print("START " + json.dumps({"warmup_compiled": warm, "compiled": r.compilations, "loaded": r.loaded_programs,
+                             "programs": buckets.num_programs, "tokens": tokens}))
+"""
+
+
+def runner_start(model_dir: str, cache, device: str, backend: str, timeout_s: float = 600) -> dict:
+    """RUNNER_START in a fresh process with TPURAY_COMPILE_CACHE=`cache`: its JSON line as a dict."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TPURAY_COMPILE_CACHE=str(cache))
+    out = subprocess.run(
+        [sys.executable, "-c", RUNNER_START, model_dir, device, backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert out.returncode == 0 and "START " in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+    result = json.loads(out.stdout.split("START ", 1)[1].splitlines()[0])
+    result["stderr"] = out.stderr
+    return result

@@ -38,3 +38,21 @@ def test_a_program_is_kept_on_disk_and_a_corrupt_entry_is_compiled_again(tmp_pat
     for p in kept:  # every entry unreadable: a miss, compiled again, never a failure
         p.write_bytes(b"not an executable" * 8)
     assert _run(cache) == first
+
+
+def test_a_second_start_loads_the_engines_programs_whole(tmp_path):
+    """The embedded runner's step programs (embedded/programs.py, backend "tpu-donate"): the first start
+    compiles and saves them, the second loads every one (no tracing, no compiling) and gives the same
+    greedy tokens."""
+    from _util import runner_start
+
+    model = str(tmp_path / "model")  # built by the first start's process (this one must not open the chip)
+    cache = tmp_path / "compile-cache"
+    first = runner_start(model, cache, "tpu", "tpu-donate")
+    assert first["compiled"] == first["programs"] and first["loaded"] == 0
+    second = runner_start(model, cache, "tpu", "tpu-donate")
+    print(
+        f"second start: {second['loaded']} loaded, {second['compiled']} compiled; tokens {second['tokens']}"
+    )
+    assert second["compiled"] == 0 and second["loaded"] == second["programs"]
+    assert second["tokens"] == first["tokens"]

@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from tpuray.serve.llm.engine import compile_cache
+from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 from tpuray.serve.llm.engine.embedded.logits import token_logprobs
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama
+from tpuray.serve.llm.engine.embedded.programs import StepPrograms
 from tpuray.serve.llm.engine.embedded.step_plan import (
     FROM_DEVICE,
     Buckets,
@@ -62,6 +65,37 @@ class Launched:
     batch: Step
     need_logits: bool
     parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class StepFunctions:
+    """The bodies of the two step programs, on an object of their own: what a compiled program reads (the
+    model, the KV cache, `last_ids`), apart from the runner that owns the programs, since a saved program
+    records the objects it reads (as shapes and types, no values: programs.py). `last_ids`: each cache
+    slot's greedy id of its latest step, on the device (async scheduling reads it: FROM_DEVICE)."""
+
+    model: ShardedLlama
+    cache: KVCache
+    last_ids: torch.Tensor
+    kv_write: KVWrite
+    dense_write_min_rows: int
+
+    def prefill(self, packed: torch.Tensor, num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, segments, slots, last = PrefillPack.unpack(packed, num_prompts)
+        logits = self.model.prefill(tokens, positions, segments, slots, last, self.cache)
+        ids = logits.argmax(dim=-1)
+        # a real prompt has >= 2 tokens, so its last index is >= 1; padding entries (0) go to the trash
+        self.last_ids[torch.where(last > 0, slots[last], self.cache.trash_slot)] = ids
+        return logits, ids
+
+    def decode(self, packed: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, slots = packed
+        tokens = torch.where(tokens == FROM_DEVICE, self.last_ids[slots], tokens)
+        dense = self.kv_write == "dense" and len(tokens) >= self.dense_write_min_rows  # static per bucket
+        logits = self.model.decode(tokens, positions, slots, self.cache, context_len, dense_write=dense)
+        ids = logits.argmax(dim=-1)
+        self.last_ids[slots] = ids
+        return logits, ids
 
 
 def _real_tpu(device: torch.device) -> bool:
@@ -134,7 +168,8 @@ class ModelRunner:
         self.rank = rank
         self.device = self.model.device
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
-        self.last_ids = torch.zeros(self.cache.trash_slot + 1, dtype=torch.long, device=self.device)
+        last_ids = torch.zeros(self.cache.trash_slot + 1, dtype=torch.long, device=self.device)
+        self.steps = StepFunctions(self.model, self.cache, last_ids, self.kv_write, self.dense_write_min_rows)
         self.compiled = real_tpu if compile is None else compile
         padded = self.compiled or static_shapes
         if buckets is None:
@@ -143,51 +178,56 @@ class ModelRunner:
             )
         self.buckets = buckets
         self.backend: str | None = None  # the torch.compile backend, where compiled
-        self.compilations = 0  # programs built by the compiler (warm-up included)
+        self.programs: StepPrograms | None = None  # the compiled programs (programs.py), where compiled
         self.warmup_s = 0.0
-        self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._prefill_program
-        self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._decode_program
+        self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.steps.prefill
+        self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.steps.decode
         if self.compiled:
             if real_tpu:  # XLA programs kept on the host's disk for the next start (compile_cache.py)
                 compile_cache.enable()
             self.backend = compile_backend or default_backend(self.device, world_size)
-            self._compile(self.backend)
+            self._compile(self.backend, path, kv_write, dtype)
 
-    # -- programs -----------------------------------------------------------------------------------------
-    def _prefill_program(self, packed, num_prompts: int):
-        tokens, positions, segments, slots, last = PrefillPack.unpack(packed, num_prompts)
-        logits = self.model.prefill(tokens, positions, segments, slots, last, self.cache)
-        ids = logits.argmax(dim=-1)
-        # a real prompt has >= 2 tokens, so its last index is >= 1; padding entries (0) go to the trash
-        self.last_ids[torch.where(last > 0, slots[last], self.cache.trash_slot)] = ids
-        return logits, ids
+    @property
+    def compilations(self) -> int:
+        """Programs built by the compiler (warm-up included); 0 where nothing is compiled."""
+        return self.programs.compiled if self.programs else 0
 
-    def _decode_program(self, packed, context_len: int):
-        tokens, positions, slots = packed
-        tokens = torch.where(tokens == FROM_DEVICE, self.last_ids[slots], tokens)
-        dense = self.kv_write == "dense" and len(tokens) >= self.dense_write_min_rows  # static per bucket
-        logits = self.model.decode(tokens, positions, slots, self.cache, context_len, dense_write=dense)
-        ids = logits.argmax(dim=-1)
-        self.last_ids[slots] = ids
-        return logits, ids
+    @property
+    def loaded_programs(self) -> int:
+        """Programs read whole from the host's compilation cache instead of compiled."""
+        return self.programs.loaded if self.programs else 0
 
-    def _compile(self, backend_name: str) -> None:
+    def _compile(self, backend_name: str, path: str, kv_write: str, dtype: str) -> None:
         from torch._dynamo import config as dynamo_config
 
-        from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
-
-        backend = lookup(backend_name)
-
-        def counting(gm, example_inputs, **kwargs):
-            self.compilations += 1
-            return backend(gm, example_inputs, **kwargs)
-
-        # one cache entry per bucket: raise Dynamo's recompile limits (default 8) above the bucket count
+        # one Dynamo cache entry per bucket (where Dynamo dispatches): raise its limits (default 8)
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * self.buckets.num_programs))
-        self._prefill = torch.compile(self._prefill_program, backend=counting, dynamic=False, fullgraph=True)
-        self._decode = torch.compile(self._decode_program, backend=counting, dynamic=False, fullgraph=True)
+        store = compile_cache.ProgramStore.for_key(self._program_key(backend_name, path, kv_write, dtype))
+        self.programs = StepPrograms(self.steps.prefill, self.steps.decode, backend_name, store)
+        self._prefill, self._decode = self.programs.prefill, self.programs.decode
+
+    def _program_key(self, backend_name: str, path: str, kv_write: str, dtype: str) -> dict:
+        """What the step programs depend on besides the weights' values: the code, the model's shape, the
+        runner's settings (compile_cache.ProgramStore adds the versions of Python, torch and torch_tpu)."""
+        model_config = (
+            (Path(path) / "config.json").read_text() if (Path(path) / "config.json").exists() else path
+        )
+        return {
+            "code": compile_cache.source_digest(Path(__file__).parent),
+            "model_config": model_config,
+            "dtype": dtype,
+            "backend": backend_name,
+            "device": str(self.device),
+            "rank": self.rank,
+            "world_size": self.model.world_size,
+            "buckets": self.buckets,
+            "kv_write": kv_write,
+            "decode_attention": self.model.decode_attention,
+            "kv_cache": [len(self.cache.k), list(self.cache.k[0].shape), str(self.cache.k[0].dtype)],
+        }
 
     def warmup(self) -> int:
         """Run (and so compile) every bucket's program once on padding; returns the programs compiled.

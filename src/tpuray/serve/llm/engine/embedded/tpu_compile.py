@@ -14,6 +14,9 @@ reads). Keeping the mutation inside the program instead (`keep_inference_input_m
 or not) loses the writes on torch_tpu 0.2.0. It is the default of a compiled one-chip runner on a real
 TPU (runner.default_backend); `bench_real_tpu.py engine --compile-backend tpu,tpu-donate` compares.
 
+Its programs serialize as torch_tpu's own backend's do (a `SerializableAOTDispatchCompiler` returning
+torch_tpu's `CompiledArtifact`), so the runner saves them whole (programs.py).
+
 Uses torch_tpu internals (`torch_tpu._internal.compile`, written against 0.2.0); where they are missing
 the backend raises ImportError naming the version. Graphs with collectives (tensor parallelism) are
 refused: torch_tpu splits those with a compiler that does not take donations.
@@ -66,6 +69,7 @@ def donating_backend(name: str) -> Callable[..., Any]:
 
     def backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 
         if kwargs.get("options"):
             raise ValueError(f"compile_backend={name!r} takes no options; got {sorted(kwargs['options'])}")
@@ -78,12 +82,19 @@ def donating_backend(name: str) -> Callable[..., Any]:
             donated = _mutated_inputs(graph)
             return compiler(graph, inputs, True, donated_inputs=donated, module_name="tpuray_step")
 
-        with execution_mode.set_eager_mode(execution_mode.EagerMode._INTERNAL_COMPILE_FX_GRAPH):
-            return aot_autograd(
-                fw_compiler=forward,
-                decompositions=tpu_backend._TPU_DECOMPOSITIONS,
-                keep_inference_input_mutations=False,
-            )(gm, example_inputs)
+        # torch_tpu's own backend's way to a serializable program: its context makes AOTAutograd build the
+        # bundled cache entry, handed out as `serialize` (what torch.compile's aot_compile saves)
+        with tpu_backend._serialization_context(example_inputs, True) as captured:
+            with execution_mode.set_eager_mode(execution_mode.EagerMode._INTERNAL_COMPILE_FX_GRAPH):
+                result = aot_autograd(  # an OutputCode compiler: the program can be saved (programs.py)
+                    fw_compiler=SerializableAOTDispatchCompiler(compiler_module.CompiledArtifact, forward),
+                    decompositions=tpu_backend._TPU_DECOMPOSITIONS,
+                    keep_inference_input_mutations=False,
+                )(gm, example_inputs)
+        if captured and captured[0] is not None:
+            entry = captured[0]
+            result.serialize = lambda: entry  # type: ignore[attr-defined]  # as torch_tpu does
+        return result
 
     return backend
 

@@ -50,11 +50,12 @@ class EngineWorker(SliceWorker):
         compiled = self.runner.warmup()  # before the replica reports ready: serving never compiles
         if device == "tpu":
             logger.info(
-                "engine worker rank %d/%d on tpu (%s); %d programs compiled in %.1f s (backend %s)",
+                "engine worker rank %d/%d on tpu (%s); %d programs compiled, %d loaded in %.1f s (backend %s)",
                 rank,
                 world_size,
                 mode,
                 compiled,
+                self.runner.loaded_programs,
                 self.runner.warmup_s,
                 self.runner.backend,
             )
@@ -68,6 +69,7 @@ class EngineWorker(SliceWorker):
             "emulated": is_emulated(),
             "pid": os.getpid(),
             "compiled_programs": self.runner.compilations,
+            "loaded_programs": self.runner.loaded_programs,
             "compiled": self.runner.compiled,
             "compile_backend": self.runner.backend,
         }

@@ -1,0 +1,127 @@
+"""A compiled runner's step programs: one per bucket shape, built ahead of time and kept on the host's disk.
+
+Each program (a prefill of T tokens, a decode of B rows over L positions) is built by torch.compile's
+ahead-of-time API (`aot_compile`: Dynamo's graph capture, AOTAutograd, the backend's compiler) and saved
+in the host's compilation cache (`compile_cache.ProgramStore`). An engine started again loads each
+program whole instead of tracing, lowering and compiling it: the warm-up of a second start reads files.
+
+Saving needs a backend whose executables serialize: SAVABLE_BACKENDS (torch_tpu's "tpu" and tpuray's
+"tpu-donate", whose executables torch_tpu pickles; Inductor on a CPU). With another backend ("eager")
+or the cache off, the programs are plain torch.compile'd functions that Dynamo dispatches by shape.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tpuray.serve.llm.engine.compile_cache import ProgramStore
+from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+logger = logging.getLogger(__name__)
+
+SAVABLE_BACKENDS = ("tpu-donate", "tpu", "inductor")
+
+Program = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepPrograms:
+    """The prefill and decode programs of `prefill(packed, num_prompts)` and `decode(packed, context_len)`
+    (bound methods of the runner), compiled with the backend `backend_name`. `compiled` counts programs
+    built by the compiler, `loaded` those read from `store`."""
+
+    def __init__(self, prefill: Program, decode: Program, backend_name: str, store: ProgramStore | None):
+        backend = lookup(backend_name)
+        self.compiled = 0
+        self.loaded = 0
+        self.store = store if backend_name in SAVABLE_BACKENDS else None
+        self._sources = {"prefill": prefill, "decode": decode}
+        self._programs: dict[str, Program] = {}
+
+        def counting(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+            self.compiled += 1
+            return backend(gm, example_inputs, **kwargs)
+
+        self._backend = counting
+        self._dynamo: dict[str, Program] = {}
+        if self.store is None:
+            self._dynamo = {k: self._compiler(fn) for k, fn in self._sources.items()}
+        # loaded executables freed while the device runtime lives: torch_tpu 0.2.0 crashes (SIGSEGV) when
+        # the interpreter's last garbage collection frees them after its runtime is gone
+        atexit.register(StepPrograms._release, weakref.ref(self))
+
+    @staticmethod
+    def _release(ref: weakref.ref[StepPrograms]) -> None:
+        programs = ref()
+        if programs is not None:
+            programs.close()
+
+    def close(self) -> None:
+        """Drop the compiled programs (the runner's `close`, and at the interpreter's exit)."""
+        self._programs.clear()
+        self._dynamo.clear()
+        import gc
+
+        gc.collect()
+
+    def _compiler(self, fn: Program) -> Any:
+        return torch.compile(fn, backend=self._backend, dynamic=False, fullgraph=True)
+
+    def prefill(self, packed: torch.Tensor, num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run("prefill", f"prefill-{packed.shape[-1]}x{num_prompts}", packed, num_prompts)
+
+    def decode(self, packed: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run("decode", f"decode-{packed.shape[-1]}x{context_len}", packed, context_len)
+
+    def _run(self, kind: str, name: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.store is None:
+            return self._dynamo[kind](*args)
+        program = self._programs.get(name)
+        if program is None:
+            program = self._programs[name] = self._build(kind, name, args)
+        return program(*args)
+
+    def _build(self, kind: str, name: str, args: tuple[Any, ...]) -> Program:
+        """The program `name`: loaded from the store when it holds one whose guards accept these inputs,
+        else compiled ahead of time and saved. The runner's bucket picks the program, so its guards are
+        checked once here, not at every step."""
+        assert self.store is not None
+        source = self._sources[kind]
+        owner = source.__self__  # type: ignore[attr-defined]  # the runner: the program's `self`
+        program = self.store.load(name)
+        if program is not None and self._accepts(program, name, owner, args):
+            self.loaded += 1
+        else:
+            try:
+                program = self._compiler(source).aot_compile((args, {}))
+            except RuntimeError as e:  # the backend's program is not serializable: Dynamo dispatches
+                if "SerializableCallable" not in str(e):
+                    raise
+                return self._unsaved(e)[kind]
+            self.store.save(name, program)
+        program.disable_guard_check()
+        return functools.partial(program, owner)
+
+    def _unsaved(self, error: Exception) -> dict[str, Program]:
+        logger.warning(
+            "compilation cache: this backend's programs cannot be saved (%s); compiling in memory", error
+        )
+        self.store, self._programs = None, {}
+        self._dynamo = {k: self._compiler(fn) for k, fn in self._sources.items()}
+        return self._dynamo
+
+    def _accepts(self, program: Any, name: str, owner: Any, args: tuple[Any, ...]) -> bool:
+        try:
+            if program.guard_check(owner, *args):
+                return True
+        except Exception as e:  # noqa: BLE001 - a saved program that cannot check its guards is a miss
+            logger.warning("compilation cache: %s cannot check its guards (%s); compiling it again", name, e)
+            return False
+        logger.warning("compilation cache: %s was saved for other inputs; compiling it again", name)
+        return False

@@ -1,0 +1,50 @@
+"""A compiled runner's step programs kept whole on the host's disk (embedded/programs.py): a second start
+loads every program and compiles none, with the same tokens; an unreadable entry is compiled again; a
+backend whose programs cannot be saved, or the cache off, leaves the disk alone. Inductor stands in for
+torch_tpu on the CPU (both return programs torch can serialize); tests/real_tpu does the same on a chip."""
+
+from __future__ import annotations
+
+from _util import runner_start
+from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+from tpuray.serve.llm.engine.embedded.step_plan import Buckets
+
+
+def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    first = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    n = first["programs"]
+    assert first["compiled"] == first["warmup_compiled"] == n and first["loaded"] == 0
+    saved = sorted((cache / "programs").rglob("*.bin"))
+    assert len(saved) == n, saved
+    second = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    assert second["compiled"] == 0 and second["loaded"] == n
+    assert second["tokens"] == first["tokens"]
+
+    saved[0].write_bytes(b"not a program" * 8)
+    third = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    assert third["compiled"] == 1 and third["loaded"] == n - 1
+    assert f"{saved[0]} unreadable" in third["stderr"] and "compiling it again" in third["stderr"]
+    assert third["tokens"] == first["tokens"]
+
+
+def _runner(path: str, backend: str) -> ModelRunner:
+    buckets = Buckets(batch=(1,), tokens=(16,), context=(32,), prefill_seqs=1)
+    return ModelRunner(
+        path, max_num_seqs=1, max_model_len=32, compile=True, compile_backend=backend, buckets=buckets
+    )
+
+
+def test_programs_of_a_backend_that_cannot_save_them_stay_in_memory(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPURAY_COMPILE_CACHE", str(tmp_path / "cache"))
+    runner = _runner(tiny_model_dir, "eager")  # Dynamo's eager backend: nothing to serialize
+    assert runner.programs is not None and runner.programs.store is None
+    assert runner.warmup() == runner.buckets.num_programs and runner.loaded_programs == 0
+    assert not list((tmp_path / "cache").rglob("*.bin"))
+
+
+def test_with_the_cache_off_nothing_is_saved(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPURAY_COMPILE_CACHE", "off")
+    monkeypatch.chdir(tmp_path)
+    runner = _runner(tiny_model_dir, "inductor")
+    assert runner.programs is not None and runner.programs.store is None
