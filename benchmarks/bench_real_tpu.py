@@ -130,6 +130,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         device=args.device,
         compile=True if args.device == "tpu" else None,
         compile_backend=backend,
+        load_workers=args.load_workers,
         **options,
     )
     load_s = time.perf_counter() - t0
@@ -145,6 +146,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         warmup_s=runner.warmup_s,
         programs=built,
         loaded_programs=runner.loaded_programs,
+        load_workers=runner.load_workers,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
@@ -409,6 +411,12 @@ def main() -> None:
     )
     ap.add_argument("--dims", default="1b", choices=[k for k in ENGINE_DIMS if k != "small"])
     ap.add_argument("--start-only", action="store_true", help="engine, vllm: measure the start, nothing else")
+    ap.add_argument(
+        "--load-workers",
+        type=int,
+        default=1,
+        help="engine: threads reading saved programs at warm-up (runner.py)",
+    )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []

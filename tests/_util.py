@@ -105,13 +105,13 @@ RUNNER_START = """
 import json, os, sys
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
-path, device, backend = sys.argv[1:4]
+path, device, backend, load_workers = *sys.argv[1:4], int(sys.argv[4])
 if not os.path.exists(os.path.join(path, "config.json")):  # built here: on a TPU VM one process holds the chip
     from tpuray.models import build_tiny_causal_lm
     build_tiny_causal_lm(path, max_position_embeddings=512)
 buckets = Buckets(batch=(1, 2), tokens=(16,), context=(64,), prefill_seqs=2)
 r = ModelRunner(path, max_num_seqs=2, max_model_len=64, device=device, compile=True, compile_backend=backend,
-                buckets=buckets)
+                buckets=buckets, load_workers=load_workers)
 warm = r.warmup()
 rows, tokens = [(0, [5, 6, 7, 8], 0, None), (1, [9, 10, 11], 0, None)], []
 for i in range(9):
@@ -122,7 +122,9 @@ print("START " + json.dumps({"warmup_compiled": warm, "compiled": r.compilations
 """
 
 
-def runner_start(model_dir: str, cache, device: str, backend: str, timeout_s: float = 600) -> dict:
+def runner_start(
+    model_dir: str, cache, device: str, backend: str, load_workers: int = 1, timeout_s: float = 600
+) -> dict:
     """RUNNER_START in a fresh process with TPURAY_COMPILE_CACHE=`cache`: its JSON line as a dict."""
     import json
     import os
@@ -131,7 +133,7 @@ def runner_start(model_dir: str, cache, device: str, backend: str, timeout_s: fl
 
     env = dict(os.environ, TPURAY_COMPILE_CACHE=str(cache))
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER_START, model_dir, device, backend],
+        [sys.executable, "-c", RUNNER_START, model_dir, device, backend, str(load_workers)],
         env=env,
         capture_output=True,
         text=True,

@@ -50,7 +50,7 @@ def test_a_second_start_loads_the_engines_programs_whole(tmp_path):
     cache = tmp_path / "compile-cache"
     first = runner_start(model, cache, "tpu", "tpu-donate")
     assert first["compiled"] == first["programs"] and first["loaded"] == 0
-    second = runner_start(model, cache, "tpu", "tpu-donate")
+    second = runner_start(model, cache, "tpu", "tpu-donate", load_workers=4)  # read by 4 threads
     print(
         f"second start: {second['loaded']} loaded, {second['compiled']} compiled; tokens {second['tokens']}"
     )

@@ -5,6 +5,8 @@ torch_tpu on the CPU (both return programs torch can serialize); tests/real_tpu 
 
 from __future__ import annotations
 
+import pytest
+
 from _util import runner_start
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
@@ -17,12 +19,12 @@ def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(
     assert first["compiled"] == first["warmup_compiled"] == n and first["loaded"] == 0
     saved = sorted((cache / "programs").rglob("*.bin"))
     assert len(saved) == n, saved
-    second = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    second = runner_start(tiny_model_dir, cache, "cpu", "inductor", load_workers=2)  # read by 2 threads
     assert second["compiled"] == 0 and second["loaded"] == n
     assert second["tokens"] == first["tokens"]
 
     saved[0].write_bytes(b"not a program" * 8)
-    third = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    third = runner_start(tiny_model_dir, cache, "cpu", "inductor")  # each read at its first call
     assert third["compiled"] == 1 and third["loaded"] == n - 1
     assert f"{saved[0]} unreadable" in third["stderr"] and "compiling it again" in third["stderr"]
     assert third["tokens"] == first["tokens"]
@@ -41,6 +43,11 @@ def test_programs_of_a_backend_that_cannot_save_them_stay_in_memory(tiny_model_d
     assert runner.programs is not None and runner.programs.store is None
     assert runner.warmup() == runner.buckets.num_programs and runner.loaded_programs == 0
     assert not list((tmp_path / "cache").rglob("*.bin"))
+
+
+def test_load_workers_must_be_a_positive_integer(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"load_workers=0 is not valid; valid: an integer >= 1"):
+        ModelRunner(tiny_model_dir, max_num_seqs=1, max_model_len=32, load_workers=0)
 
 
 def test_with_the_cache_off_nothing_is_saved(tiny_model_dir, tmp_path, monkeypatch):

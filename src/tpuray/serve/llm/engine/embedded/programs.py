@@ -17,6 +17,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class StepPrograms:
         self.store = store if backend_name in SAVABLE_BACKENDS else None
         self._sources = {"prefill": prefill, "decode": decode}
         self._programs: dict[str, Program] = {}
+        self._preloaded: dict[str, Any] = {}  # saved programs read by `preload`, not yet checked
 
         def counting(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
             self.compiled += 1
@@ -63,7 +65,7 @@ class StepPrograms:
             programs.close()
 
     def close(self) -> None:
-        """Drop the compiled programs (the runner's `close`, and at the interpreter's exit)."""
+        """Drop the compiled programs (at the interpreter's exit, or by their owner)."""
         self._programs.clear()
         self._dynamo.clear()
         import gc
@@ -73,11 +75,29 @@ class StepPrograms:
     def _compiler(self, fn: Program) -> Any:
         return torch.compile(fn, backend=self._backend, dynamic=False, fullgraph=True)
 
+    @staticmethod
+    def prefill_name(tokens: int, num_prompts: int) -> str:
+        return f"prefill-{tokens}x{num_prompts}"
+
+    @staticmethod
+    def decode_name(batch: int, context_len: int) -> str:
+        return f"decode-{batch}x{context_len}"
+
     def prefill(self, packed: torch.Tensor, num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run("prefill", f"prefill-{packed.shape[-1]}x{num_prompts}", packed, num_prompts)
+        return self._run("prefill", self.prefill_name(packed.shape[-1], num_prompts), packed, num_prompts)
 
     def decode(self, packed: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run("decode", f"decode-{packed.shape[-1]}x{context_len}", packed, context_len)
+        return self._run("decode", self.decode_name(packed.shape[-1], context_len), packed, context_len)
+
+    def preload(self, names: list[str], workers: int) -> None:
+        """Read the saved programs among `names` from the store with `workers` threads, ahead of their
+        first call (which checks and keeps them)."""
+        if self.store is None or workers < 2:
+            return
+        store = self.store
+        saved = [n for n in names if n not in self._programs and store.path(n).exists()]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tpuray-load") as pool:
+            self._preloaded.update(zip(saved, pool.map(store.load, saved), strict=True))
 
     def _run(self, kind: str, name: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.store is None:
@@ -94,7 +114,7 @@ class StepPrograms:
         assert self.store is not None
         source = self._sources[kind]
         owner = source.__self__  # type: ignore[attr-defined]  # the runner: the program's `self`
-        program = self.store.load(name)
+        program = self._preloaded.pop(name) if name in self._preloaded else self.store.load(name)
         if program is not None and self._accepts(program, name, owner, args):
             self.loaded += 1
         else:

@@ -133,7 +133,9 @@ class ModelRunner:
     (step_plan.py). Every program also stores its greedy ids in `last_ids` (one per cache slot, on the
     device), where a decode row whose token is `FROM_DEVICE` takes its input: a step can be launched
     before the previous one is read back (async scheduling: `launch`, then `collect`). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
-    anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes)."""
+    anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes).
+    Where a compiled runner finds its programs saved (programs.py), `load_workers` threads read them at
+    warm-up (1: each one at its first call)."""
 
     def __init__(
         self,
@@ -152,7 +154,12 @@ class ModelRunner:
         buckets: Buckets | None = None,
         kv_write: KVWrite = "auto",
         decode_attention: Literal["auto", "sdpa", "matmul"] = "auto",
+        load_workers: int = 1,
     ):
+        if not isinstance(load_workers, int) or load_workers < 1:
+            raise ValueError(f"load_workers={load_workers!r} is not valid; valid: an integer >= 1")
+        self.load_workers = load_workers
+        """Threads that read saved programs at warm-up (programs.py; 1: each read at its first call)."""
         if kv_write not in ("auto", "scatter", "dense"):
             raise ValueError(f"kv_write={kv_write!r} is not valid; valid: 'auto', 'scatter', 'dense'")
         real_tpu = _real_tpu(torch.device(device))
@@ -236,6 +243,10 @@ class ModelRunner:
             return 0
         start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
         b = self.buckets
+        if self.programs is not None and self.load_workers > 1:
+            names = [StepPrograms.prefill_name(T, b.prefill_seqs) for T in b.tokens]
+            names += [StepPrograms.decode_name(B, L) for B in b.batch for L in b.context]
+            self.programs.preload(names, self.load_workers)
         for T in b.tokens:
             self._run_prefill(warmup_prefill(T, b, trash))[1].cpu()
         for B in b.batch:
