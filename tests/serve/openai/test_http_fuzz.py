@@ -150,7 +150,7 @@ def test_fastapi_validation_errors_are_openai_400s_naming_the_param():
 
     from fastapi.exceptions import RequestValidationError
 
-    from tpuray.serve.llm.deployments.router import _validation_error
+    from tpuray.serve.llm.openai.errors import validation_error
 
     error = {
         "loc": ("path", "model"),
@@ -158,7 +158,7 @@ def test_fastapi_validation_errors_are_openai_400s_naming_the_param():
         "type": "string_type",
         "input": 1,
     }
-    response = asyncio.run(_validation_error(None, RequestValidationError([error])))  # type: ignore[arg-type]
+    response = asyncio.run(validation_error(None, RequestValidationError([error])))  # type: ignore[arg-type]
     assert response.status_code == 400
     body = json.loads(response.body)["error"]
     assert body["param"] == "model" and body["code"] == "invalid_value" and "(got 1)" in body["message"]

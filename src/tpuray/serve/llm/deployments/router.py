@@ -12,12 +12,10 @@ protocol, so nothing a backend supports is dropped on the way.
 import asyncio
 import inspect
 import json
-import logging
 import re
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
@@ -26,7 +24,7 @@ from ray.exceptions import RayActorError
 from tpuray.serve.llm.config import LLMConfig
 from tpuray.serve.llm.deployments.server import LLMServer
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
-from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error, error_from_validation
+from tpuray.serve.llm.openai.errors import OpenAIError, add_error_handlers, engine_dead_error, error_response
 from tpuray.serve.llm.openai.openapi import (
     METRICS_DOCS,
     Health,
@@ -37,8 +35,6 @@ from tpuray.serve.llm.openai.openapi import (
     post_docs,
 )
 from tpuray.validation import ConfigError
-
-logger = logging.getLogger(__name__)
 
 api = FastAPI(title="tpuray OpenAI-compatible API")
 api.openapi = lambda: openapi_document(api)  # type: ignore[method-assign]  # the request models (openai/openapi.py)
@@ -120,11 +116,6 @@ async def read_json(chunks: Any, content_length: str | None) -> dict[str, Any]:
     return parse_json(raw)
 
 
-def error_response(e: OpenAIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
 @api.middleware("http")
 async def _count_requests(request: Request, call_next):
     """http_requests_total{handler, method, status} (metrics.py) for every request."""
@@ -134,25 +125,7 @@ async def _count_requests(request: Request, call_next):
     return response
 
 
-@api.exception_handler(OpenAIError)
-async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return error_response(exc)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's own parameter validation answers like the routes do: a 400 naming the param, not 422."""
-    where = ("path", "query", "header", "cookie")  # the param is the field itself, not where it came from
-    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p not in where)} for e in exc.errors()]
-    return error_response(error_from_validation(errors))
-
-
-@api.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("request failed")
-    return error_response(
-        OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, type="internal_error")
-    )
+add_error_handlers(api)
 
 
 class _Remote:
