@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-REQUEST_TIMEOUT_S = 180.0  # a request that takes longer is a hang
+REQUEST_TIMEOUT_S = 180.0  # a request that takes longer is a hang (far above the 503's few seconds)
 RECOVERY_TIMEOUT_S = 300.0  # the most the tests wait for a 200 after a kill
 BACKOFF_S = 0.5  # a client's pause after an error answer
 
@@ -109,9 +109,64 @@ async def kill_under_load(load: Load, kill: Callable[[], object], clients: int =
     return load.tally(killed_at)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What a client got: the HTTP status (a stream's error event counts as its error's status; 0: no
+    answer within REQUEST_TIMEOUT_S), the OpenAI error code, the Retry-After header."""
+
+    status: int
+    code: str | None = None
+    retry_after: str | None = None
+
+    @property
+    def dead_with_retry_after(self) -> bool:
+        """The 503 of a dead engine, with a Retry-After of whole seconds >= 1."""
+        after = self.retry_after or ""
+        return (self.status, self.code) == (503, "engine_dead") and after.isdigit() and int(after) >= 1
+
+
+async def answer(http: httpx.AsyncClient, url: str, model: str, n: int) -> Answer:
+    """One completion (every other one streamed) to `url`/v1/completions."""
+    body = {"model": model, "prompt": f"probe {n}", "max_tokens": 4, "seed": n, "stream": n % 2 == 1}
+    try:
+        r = await http.post(url + "/v1/completions", json=body)
+    except httpx.TimeoutException as e:
+        return Answer(0, f"hang ({type(e).__name__})")
+    retry_after = r.headers.get("retry-after")
+    if r.status_code != 200:
+        return Answer(r.status_code, (r.json().get("error") or {}).get("code"), retry_after)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+    errors = [json.loads(e)["error"] for e in events if '"error"' in e]
+    if errors:  # a stream that had started (200), then failed: its error event
+        return Answer(503 if errors[0].get("code") == "engine_dead" else 500, errors[0].get("code"))
+    return Answer(200)
+
+
+async def answers_for(url: str, model: str, seconds: float) -> list[Answer]:
+    """One request at a time for `seconds` (each with a client timeout of REQUEST_TIMEOUT_S)."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        end, got = time.monotonic() + seconds, []
+        while time.monotonic() < end:
+            got.append(await answer(http, url, model, len(got)))
+            await asyncio.sleep(0.2)
+    return got
+
+
+async def answers_until_served(url: str, model: str) -> list[Answer]:
+    """One request at a time (after an error, BACKOFF_S apart) until one is answered 200."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+        deadline, got = time.monotonic() + RECOVERY_TIMEOUT_S, []
+        while not got or got[-1].status != 200:
+            assert time.monotonic() < deadline, f"no 200 within {RECOVERY_TIMEOUT_S}s: {got[-3:]}"
+            if got:
+                await asyncio.sleep(BACKOFF_S)
+            got.append(await answer(http, url, model, len(got)))
+    return got
+
+
 def engine_core_killed_under_load(url: str, model: str, app_name: str, headers: dict) -> tuple[dict, dict]:
     """Kill the model's vLLM engine core under load (kill_under_load): only 200s and 503s, the kill seen,
-    then a new engine core. The engine's description before and after."""
+    then a new engine core in the same replica. The engine's description before and after."""
     from ray import serve
 
     handle = serve.get_deployment_handle(f"LLMServer:{model}", app_name=app_name)
@@ -124,6 +179,8 @@ def engine_core_killed_under_load(url: str, model: str, app_name: str, headers: 
     assert tally.get("503"), tally  # the kill was seen
     new = handle.describe.remote().result()
     assert new["engine_core_pids"] and set(new["engine_core_pids"]).isdisjoint(old["engine_core_pids"])
+    assert new["replica_pid"] == old["replica_pid"], "Serve replaced the replica: its ingress went away"
+    assert (new["restarts"], new["state"]) == (old["restarts"] + 1, "serving"), new
     return old, new
 
 

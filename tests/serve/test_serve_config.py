@@ -210,6 +210,22 @@ def test_single_deployment_is_the_default_for_one_model():
         LLMServingArgs(llm_configs=one, single_deployment="yes")
 
 
+def test_min_replicas_reads_num_replicas_and_autoscaling():
+    """A model Serve keeps one replica of restarts a dead engine in place; with more, Serve replaces the
+    replica while the others serve (deployments/failover.py)."""
+    from ray.serve.config import AutoscalingConfig
+
+    def least(deployment_config: dict) -> int:
+        return LLMConfig(
+            model_loading_config={"model_id": "a"}, deployment_config=deployment_config
+        ).min_replicas
+
+    assert least({}) == 1 and least({"num_replicas": 3}) == 3 and least({"num_replicas": "auto"}) == 1
+    assert least({"autoscaling_config": {"min_replicas": 2, "max_replicas": 4}}) == 2
+    assert least({"autoscaling_config": {"max_replicas": 4}}) == 1
+    assert least({"autoscaling_config": AutoscalingConfig(min_replicas=0, max_replicas=2)}) == 0
+
+
 def test_cli_check(tiny_model_dir, tmp_path, capsys):
     good = tmp_path / "serve.yaml"
     good.write_text(

@@ -432,22 +432,22 @@ def test_fuzz_from_the_openapi_document_on_vllm(cpu_app):
 
 
 @pytest.mark.full(FULL)
-def test_a_dead_engine_core_gets_503s_then_a_new_replica(cpu_app):
+def test_a_dead_engine_core_gets_503s_then_a_new_engine_core(cpu_app):
     """vLLM's engine core process killed under load (issue 22, item 2): its requests, in flight and after,
-    get a 503 (never vLLM's 500, never a hang), the replica fails its health check and Serve replaces it;
-    the old replica's shutdown does not hang on the dead core's client. The one-chip model's replica (a
-    replacement starts in seconds, not the TP=4 slice's minute); a replacement's slice reservation is
-    released and retaken in test_engine_death.py (the embedded engine) and on deletion below (vLLM)."""
+    get a 503 (never vLLM's 500, never a hang), and the replica starts a new engine core in place of the
+    dead one, whose client's shutdown does not hang. The one-chip model's replica (a new engine starts in
+    seconds, not the TP=4 slice's minute); a new engine's slice reservation is released and retaken in
+    test_engine_death.py (the embedded engine) and below (vLLM TP=4)."""
     engine_core_killed_under_load(cpu_app, TP1, CPU_APP, HEADERS)
 
 
 @pytest.mark.full(
     "CI: a dead engine at tensor_parallel_size 2 (serve/deployments/test_engine_death.py::"
-    "test_a_dead_engine_worker_gets_503s_then_a_new_replica[tp2])"
+    "test_a_dead_engine_worker_gets_503s_then_a_new_engine[tp2])"
 )
-def test_a_dead_tp4_engine_core_gets_503s_then_a_new_replica(app):
+def test_a_dead_tp4_engine_core_gets_503s_then_a_new_engine_core(app):
     """Issue 45: vLLM's engine core killed under load at TP=4 (its Ray executor's 4 workers on the
-    slice): requests in flight and after get a 503, never a hang; Serve replaces the replica, whose engine
+    slice): requests in flight and after get a 503, never a hang; the replica starts a new engine, which
     reserves a slice again; the dead engine's workers and placement group are gone."""
     old, new = engine_core_killed_under_load(app[0], TP4, "tpuray-vllm", HEADERS)
     others = set(live_placement_groups()) - {old["placement_group_id"]}

@@ -1,9 +1,12 @@
-"""An embedded engine that dies under load leaves no zombie replica (issue 22, item 2): its requests, in
-flight and after, get a 503 OpenAI error (never a 500, never a hang), the replica fails its health check,
-Serve replaces it, and the app answers 200 again on a fresh reservation of a slice, the dead engine's
-placement group released. CI kills one engine worker's process at tensor_parallel_size 2 (issue 45: the
-other rank lives on); the full tier also at TP 1 and 4, and kills a whole host of the slice the
-replacement took. (vLLM's engine core: test_vllm.py.)"""
+"""An embedded engine that dies under load is never served dead (issue 22, item 2): its requests, in
+flight and after, get a 503 OpenAI error with Retry-After (never a 500, never a hang), the replica starts
+a new engine in place of the dead one, on a fresh reservation of a slice, the dead engine's placement
+group released, and the app answers 200 again from the same replica. CI kills one engine worker's process
+at tensor_parallel_size 2 (issue 45: the other rank lives on), and loses the engine's host while the
+other slice is held, so that no new engine can start for longer than Serve took to replace a replica
+failing its health check: requests still get the 503 at once (issue 45, item 2). The full tier kills a
+worker at TP 1 and 4, and loses the host of the slice a new engine took. (vLLM's engine core:
+test_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ from typing import Any
 
 import pytest
 from _configs import MAX_MODEL_LEN
-from _engine_death import Load, kill_under_load
+from _engine_death import Load, answers_for, answers_until_served, kill_under_load
 
 from _util import live_placement_groups, live_processes, new_placement_groups
 from tpuray.constants import ROLE_LABEL
 
 APP = "death"
+HEALTH_CHECK_PERIOD_S = 2  # Serve would replace a replica failing 3 checks in a row: about 6 s
 
 
 def _engine(handle) -> tuple[dict, set[str]]:
@@ -31,6 +35,8 @@ def _engine(handle) -> tuple[dict, set[str]]:
 def _check_replaced(handle, before: set[str], old_pgs: set[str], old: dict) -> dict:
     """The engine serving now is a new one, on new placement groups; the old one's are released."""
     new, pgs = _engine(handle)
+    assert new["replica_pid"] == old["replica_pid"], "Serve replaced the replica: its ingress went away"
+    assert (new["restarts"], new["state"]) == (old["restarts"] + 1, "serving"), new
     assert {w["pid"] for w in new["workers"]}.isdisjoint(w["pid"] for w in old["workers"])
     assert not (pgs - before) & old_pgs, "the dead engine's placement group was not released"
     assert len(pgs - before) == len(old_pgs), f"placement groups now: {pgs - before}, before: {old_pgs}"
@@ -41,7 +47,7 @@ def _check_replaced(handle, before: set[str], old_pgs: set[str], old: dict) -> d
 
 FULL_TP = (
     "CI: a dead engine worker at tensor_parallel_size 2 "
-    "(test_a_dead_engine_worker_gets_503s_then_a_new_replica[tp2])"
+    "(test_a_dead_engine_worker_gets_503s_then_a_new_engine[tp2])"
 )
 
 
@@ -67,7 +73,7 @@ def death_app(request, serve_url, pg_leak_check, tiny_model_dir) -> Iterator[tup
         deployment_config={
             # the replica on the CPU head, its engine on a slice: a host death takes the engine only
             "ray_actor_options": {"label_selector": {ROLE_LABEL: "head"}},
-            "health_check_period_s": 2,  # Serve replaces a replica after 3 failed checks in a row
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         },
     )
     try:
@@ -96,7 +102,7 @@ def _killed_under_load(handle, load: Load, before: set[str], kill: Callable[[dic
     indirect=True,
     ids=lambda tp: f"tp{tp}",
 )
-def test_a_dead_engine_worker_gets_503s_then_a_new_replica(death_app) -> None:
+def test_a_dead_engine_worker_gets_503s_then_a_new_engine(death_app) -> None:
     def kill_worker(engine: dict) -> None:
         workers = engine["workers"]
         assert len(workers) == engine["tensor_parallel_size"], workers  # one worker per TP rank
@@ -106,11 +112,11 @@ def test_a_dead_engine_worker_gets_503s_then_a_new_replica(death_app) -> None:
 
 
 @pytest.mark.full(
-    "CI: a killed engine worker's process (test_a_dead_engine_worker_gets_503s_then_a_new_replica), a "
+    "CI: a killed engine worker's process (test_a_dead_engine_worker_gets_503s_then_a_new_engine), a "
     "lost host under training (train/test_fault_tolerance.py), a preempted slice under serving "
     "(serve/deployments/test_failover.py)"
 )
-def test_a_lost_host_gets_503s_then_a_new_replica_on_the_other_slice(emulated_cluster, death_app) -> None:
+def test_a_lost_host_gets_503s_then_a_new_engine_on_the_other_slice(emulated_cluster, death_app) -> None:
     lost: list[Any] = []
 
     def kill_host(engine: dict) -> None:
@@ -124,3 +130,42 @@ def test_a_lost_host_gets_503s_then_a_new_replica_on_the_other_slice(emulated_cl
     finally:
         for host in lost:
             emulated_cluster.restore_host(host)
+
+
+def test_no_free_slice_keeps_503s_with_retry_after_coming_until_one_is(
+    emulated_cluster, serve_url, death_app
+) -> None:
+    """The engine's host lost while the test holds the other slice: no new engine can start for 10 health
+    check periods, past the point where Serve replaced a replica failing its checks (its proxy then held
+    every new request until a new replica served: minutes on a loaded machine). Every request meanwhile
+    gets the 503 with Retry-After from the same replica, /health and /v1/models say the model is
+    recovering; once the slice is free, a new engine takes it and requests are served again."""
+    import httpx
+
+    from tpuray.slices import SlicePlacementGroup
+
+    handle, _, before = death_app
+    old, pgs = _engine(handle)
+    lost = None
+    held = SlicePlacementGroup("2x2", "v6e", timeout_s=60)  # the other slice
+    try:
+        lost = emulated_cluster.kill_host(old["workers"][0]["node_id"])
+        during = asyncio.run(answers_for(serve_url, "tiny", seconds=10 * HEALTH_CHECK_PERIOD_S))
+        health = httpx.get(f"{serve_url}/health", timeout=60)
+        card = httpx.get(f"{serve_url}/v1/models", timeout=60).json()["data"][0]
+        held.shutdown()
+        after = asyncio.run(answers_until_served(serve_url, "tiny"))
+        assert during and all(a.dead_with_retry_after for a in during), during
+        assert health.status_code == 503 and health.headers["retry-after"].isdigit(), health.headers
+        assert health.json() == {"status": "unavailable", "models": {"tiny": "recovering"}}
+        assert card["status"] == "recovering", card
+        assert all(a.dead_with_retry_after for a in after[:-1]), after
+        _check_replaced(handle, before, pgs - before, old)
+        assert httpx.get(f"{serve_url}/health", timeout=60).json() == {
+            "status": "ok",
+            "models": {"tiny": "serving"},
+        }
+    finally:
+        held.shutdown()
+        if lost is not None:
+            emulated_cluster.restore_host(lost)

@@ -49,8 +49,9 @@ def _with_fast_path(actor_options: dict[str, Any]) -> dict[str, Any]:
 def _server_options(config: LLMConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "max_ongoing_requests": 1024,
-        # Ray Serve LLM's period: a replica whose engine died fails every check and Serve replaces it after
-        # 3 in a row (docs/serve.md, "When an engine dies"); the check pings each engine worker, after a step
+        # Ray Serve LLM's period: the check pings each engine worker (after a step); one that finds the
+        # engine dead starts a new one, or fails, and Serve replaces the replica after 3 failures in a row
+        # (docs/serve.md, "When an engine dies")
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
     }

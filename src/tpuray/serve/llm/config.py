@@ -265,6 +265,17 @@ class LLMConfig:
         return self.engine_kwargs.get("task", "generate")
 
     @property
+    def min_replicas(self) -> int:
+        """The fewest replicas Serve keeps for this model: `deployment_config`'s num_replicas (default 1),
+        or, autoscaled (an autoscaling_config, or num_replicas "auto"), its min_replicas (default 1)."""
+        dc = self.deployment_config
+        auto = dc.get("autoscaling_config")
+        if auto is None and dc.get("num_replicas") != "auto":
+            return int(dc.get("num_replicas", 1))
+        least = auto.get("min_replicas") if isinstance(auto, dict) else getattr(auto, "min_replicas", None)
+        return int(1 if least is None else least)
+
+    @property
     def model_source(self) -> str:
         """Where the weights come from: model_source, else model_id (a Hub id, as in Ray Serve LLM)."""
         return self.model_loading_config.model_source or self.model_id

@@ -7,9 +7,10 @@ raises `warm_up_error`, so the replica fails to start instead of serving a dead 
 endpoint. Endpoints: "completions", "chat", "embeddings", "tokenize", "detokenize".
 
 An engine that dies later (vLLM's engine core process, an embedded engine worker, a host of the slice)
-reports it in `engine_error()`; the replica then answers every request with `engine_dead_error` (a 503,
-the one place that maps an engine's death to an OpenAI error) and fails its health check, so Serve
-replaces it (docs/serve.md, "When an engine dies").
+reports it in `engine_error()`; the replica then answers every request with `engine_dead_error` (a 503
+with Retry-After, the one place that maps an engine's death to an OpenAI error) and starts a new engine
+in its place when the backend is `restartable`; otherwise it fails its health check, so Serve replaces
+the replica (docs/serve.md, "When an engine dies").
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class Backend(Protocol):
 
     config: LLMConfig
 
+    @property
+    def restartable(self) -> bool:
+        """Whether a new engine can start in this replica's process once this one died: true when the
+        engine runs in processes of its own (workers on a slice, vLLM's engine core)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]: ...
@@ -38,7 +45,7 @@ class Backend(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
     async def check_health(self) -> None:
-        """Raises when the engine is dead (Serve then replaces the replica)."""
+        """Raises when the engine is dead (the replica then starts a new one, or Serve replaces it)."""
         ...
 
     def engine_error(self) -> BaseException | None:

@@ -62,6 +62,9 @@ class Choice(NamedTuple):
 
 
 class EmbeddedBackend(EngineBackend):
+    # only a worker actor's death or a failover's end kills the engine: a new one can start in the replica
+    restartable = True
+
     def __init__(self, config: LLMConfig, **engine_options: Any):
         self.config = config
         self.engine = EmbeddedEngine(config, **engine_options)

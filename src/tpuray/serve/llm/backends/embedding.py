@@ -40,6 +40,8 @@ def minilm_config(model_id: str = MINILM_ID, **kwargs: Any) -> LLMConfig:
 
 
 class EmbeddingBackend:
+    restartable = False  # the model is in the replica's process (and never dies apart from it)
+
     def __init__(self, config: LLMConfig):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch

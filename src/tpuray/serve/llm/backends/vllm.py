@@ -195,5 +195,11 @@ class VLLMBackend(EngineBackend):
     def engine_error(self) -> BaseException | None:
         return self.engine.engine_error()
 
+    @property
+    def restartable(self) -> bool:
+        """vLLM's engine core in a child process: yes; in the replica's own (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+        a one-chip TPU VM) the dead engine's state and chip stay in the process: Serve replaces it."""
+        return not self.engine.in_process
+
     def shutdown(self) -> None:
         self.engine.shutdown()

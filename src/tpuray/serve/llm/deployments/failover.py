@@ -1,5 +1,5 @@
-"""Serving through a preemption: a replica whose slice is being preempted moves to another slice, and
-no request fails when a free slice is there to take it.
+"""Serving through a preemption or an engine's death: the replica moves its engine to another slice when
+the slice is preempted, and starts a new engine when the engine dies, its ingress answering throughout.
 
 `EngineSlot` holds the replica's current backend (backends/base.py) and watches the backend's slice for Ray's
 preemption notice (a drain of one of its hosts, `tpuray.slices.drain`). On a notice it
@@ -10,18 +10,35 @@ preemption notice (a drain of one of its hosts, `tpuray.slices.drain`). On a not
    its last request ended or the deadline is DEADLINE_MARGIN_S away, whichever comes first.
 Requests still running on the old engine at the deadline fail with it (there is no live migration): the
 engine ends them (`Backend.end`, a 503 `engine_dead_error` naming SlicePreemptedError) before it stops.
+
+When the engine dies without notice (a worker or vLLM's engine core killed, a host lost), the replica
+learns it from a request or its health check (`engine_died`) and restarts the engine in place:
+1. requests get the 503 `engine_dead_error` at once, with `Retry-After` (the last engine start's
+   duration, less the time since the death), until the new engine serves: none waits;
+2. the dead engine is ended and shut down (its workers and slice released), then a new one is started
+   on a free slice, retried every RETRY_S until one is;
+3. the health check passes meanwhile: Serve keeps the replica, so the app's ingress (in the replica for
+   one model) never goes away and no request waits in Serve's proxy for a replacement replica.
+An engine in the replica's own process (`Backend.restartable` false) is not restarted, nor one of a
+model Serve keeps several replicas of (`LLMConfig.min_replicas`), whose other replicas serve while Serve
+replaces this one: the health check fails and Serve replaces the replica (docs/serve.md, "When an engine
+dies").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from tpuray.constants import DEADLINE_MARGIN_S
-from tpuray.serve.llm.openai.errors import OpenAIError
+from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error
+from tpuray.serve.llm.openai.openapi import ModelState
 from tpuray.slices.drain import DrainWatch, PreemptionInfo, describe, draining_nodes
 
 logger = logging.getLogger(__name__)
@@ -30,9 +47,25 @@ POLL_S = 0.5  # how often a replica reads Ray's drain state
 
 RETRY_S = 5.0  # between attempts to start a replacement (no free slice yet)
 
+RETRY_AFTER_MAX_S = 60  # the longest Retry-After a dead engine's 503 asks for (the openai SDK's cap)
+
 
 class SlicePreemptedError(RuntimeError):
     """What ends the requests still on an engine when its slice's preemption deadline comes."""
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What /health and /v1/models say of a model: its state, and when a client should look again."""
+
+    state: ModelState
+    retry_after_s: int | None = None
+
+
+@dataclass(frozen=True)
+class _Death:
+    error: BaseException
+    at: float  # time.monotonic()
 
 
 class _Lease:
@@ -40,6 +73,7 @@ class _Lease:
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
+        self.retired = False  # ended by a failover, which replaces it
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -57,12 +91,17 @@ class EngineSlot:
         factory: Callable[[Any], Any],
         wait_timeout_s: float = 300.0,
         poll_s: float = POLL_S,
+        start_s: float = RETRY_S,
     ) -> None:
         self.config = config
         self.factory = factory
         self.wait_timeout_s = wait_timeout_s
         self.poll_s = poll_s
+        self.start_s = start_s  # how long the last engine took to start: what a restart should take
         self.failovers = 0
+        self.restarts = 0
+        self._death: _Death | None = None  # the dead engine's, while a new one starts
+        self._restart: asyncio.Task | None = None
         self._lease = _Lease(backend)
         self._ready = asyncio.Event()
         self._ready.set()
@@ -79,6 +118,26 @@ class EngineSlot:
     def failing_over(self) -> bool:
         return not self._ready.is_set()
 
+    @property
+    def restarting(self) -> bool:
+        """A new engine is starting in place of a dead one."""
+        return self._restart is not None and not self._restart.done()
+
+    def status(self) -> ModelStatus:
+        if self._death is None:
+            return ModelStatus("serving")
+        return ModelStatus("recovering" if self.restarting else "unavailable", self.retry_after_s())
+
+    def retry_after_s(self) -> int:
+        """Seconds until the new engine should serve: the last start's duration less the time since the
+        death, from 1 to RETRY_AFTER_MAX_S."""
+        since = time.monotonic() - self._death.at if self._death is not None else 0.0
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(self.start_s - since)))
+
+    def unavailable(self, error: BaseException) -> OpenAIError:
+        """The 503 of a request to the dead engine (or sent while a new one starts)."""
+        return engine_dead_error(self.config.model_id, error, self.retry_after_s())
+
     def start(self) -> None:
         """Start watching for preemption notices (call from the replica's event loop)."""
         if self._watcher is None and self._lease.watch is not None:
@@ -86,7 +145,10 @@ class EngineSlot:
 
     @asynccontextmanager
     async def use(self) -> AsyncIterator[Any]:
-        """The backend to serve one request on (waits while a failover is under way)."""
+        """The backend to serve one request on (waits while a failover is under way; the 503 at once
+        while a new engine starts after a death)."""
+        if self._death is not None:
+            raise self.unavailable(self._death.error)
         if not self._ready.is_set():
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout=self.wait_timeout_s)
@@ -112,7 +174,7 @@ class EngineSlot:
         while not self._closed:
             await asyncio.sleep(self.poll_s)
             lease = self._lease
-            if lease.watch is None or not self._ready.is_set():
+            if lease.watch is None or not self._ready.is_set() or self._death is not None:
                 continue
             try:
                 info = lease.watch.poll(await asyncio.to_thread(draining_nodes))
@@ -135,23 +197,8 @@ class EngineSlot:
         retire = asyncio.get_running_loop().create_task(self._retire(old, info))
         self._tasks.add(retire)
         retire.add_done_callback(self._tasks.discard)
-        while not self._closed:
-            backend = None
-            try:
-                backend = await asyncio.to_thread(self.factory, self.config)
-                await backend.start()
-                break
-            except Exception as e:  # noqa: BLE001 - no free slice yet: retry while requests wait
-                logger.error(
-                    "model %s: replacement engine did not start (%s); retrying", self.config.model_id, e
-                )
-                if backend is not None:
-                    await asyncio.to_thread(backend.shutdown)
-                await asyncio.sleep(RETRY_S)
-        else:
-            return
-        if self._closed:  # the replica shut down while the replacement started
-            await asyncio.to_thread(backend.shutdown)
+        backend = await self._start_engine("replacement engine")
+        if backend is None:  # the replica shut down first
             return
         self._lease = _Lease(backend)
         self.failovers += 1
@@ -160,8 +207,30 @@ class EngineSlot:
             "model %s: serving on the replacement engine (%s)", self.config.model_id, _where(backend)
         )
 
+    async def _start_engine(self, what: str) -> Any | None:
+        """A new engine, started (retried every RETRY_S while it fails: no free slice yet); None when the
+        replica shuts down first. Its start's duration becomes `start_s`."""
+        while not self._closed:
+            backend, began = None, time.monotonic()
+            try:
+                backend = await asyncio.to_thread(self.factory, self.config)
+                await backend.start()
+            except Exception as e:  # noqa: BLE001 - no free slice yet: retry while requests wait
+                logger.error("model %s: the %s did not start (%s); retrying", self.config.model_id, what, e)
+                if backend is not None:
+                    await asyncio.to_thread(backend.shutdown)
+                await asyncio.sleep(RETRY_S)
+                continue
+            if self._closed:  # the replica shut down while the engine started
+                await asyncio.to_thread(backend.shutdown)
+                return None
+            self.start_s = time.monotonic() - began
+            return backend
+        return None
+
     async def _retire(self, old: _Lease, info: PreemptionInfo) -> None:
         """Shut the old engine down once its requests are done, or just before the deadline."""
+        old.retired = True
         left = info.seconds_left()
         timeout = None if left is None else max(0.0, left - DEADLINE_MARGIN_S)
         try:
@@ -176,15 +245,60 @@ class EngineSlot:
         self._retiring.discard(old)
         await asyncio.to_thread(old.backend.shutdown)
 
+    # -- an engine's death -----------------------------------------------------------------------------
+    def engine_died(self, backend: Any, error: BaseException) -> bool:
+        """`backend`'s engine died with `error`: restart it in this replica unless a failover replaces it
+        already, its engine cannot start again in this process, or other replicas serve the model while
+        Serve replaces this one. True when a restart is under way."""
+        if self._death is not None:
+            return self.restarting
+        lease = self._lease
+        if self._closed or self.failing_over or backend is not lease.backend or lease.retired:
+            return False
+        if not backend.restartable or self.config.min_replicas > 1:  # then Serve routes to the others
+            return False
+        self._death = _Death(error, time.monotonic())
+        self._restart = asyncio.get_running_loop().create_task(self._restart_engine(lease, error))
+        return True
+
+    async def _restart_engine(self, dead: _Lease, error: BaseException) -> None:
+        model = self.config.model_id
+        logger.error(
+            "model %s: its engine died (%s: %s); starting a new one in this replica (requests get a 503 "
+            "with Retry-After until it serves)",
+            model,
+            type(error).__name__,
+            error,
+        )
+        try:
+            dead.backend.end(error)  # the requests still on it fail now
+            await asyncio.to_thread(dead.backend.shutdown)  # its workers and slice, for the new engine
+        except Exception:  # noqa: BLE001 - a new engine is started anyway
+            logger.exception("model %s: the dead engine did not shut down cleanly", model)
+        backend = await self._start_engine("new engine")
+        if backend is None:
+            return
+        self._lease = _Lease(backend)
+        self.restarts += 1
+        down_s = time.monotonic() - self._death.at if self._death is not None else 0.0
+        self._death = None
+        logger.warning(
+            "model %s: serving on a new engine (%s), %.1f s after the death", model, _where(backend), down_s
+        )
+
     # -- health and shutdown ----------------------------------------------------------------------------
     async def check_health(self) -> None:
         if self.failing_over:  # the old engine may already be gone; the replacement is on its way
+            return
+        if self._death is not None:  # a new engine is starting, unless its restart ended without one
+            if not self.restarting and not self._closed:
+                raise RuntimeError(f"the restart of the engine that died ({self._death.error}) ended")
             return
         await self.backend.check_health()
 
     def shutdown(self) -> None:
         self._closed = True
-        for task in [self._watcher, *self._tasks]:
+        for task in [self._watcher, self._restart, *self._tasks]:
             if task is not None:
                 task.cancel()
         for lease in [*self._retiring, self._lease]:

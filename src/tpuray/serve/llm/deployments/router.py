@@ -22,12 +22,13 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from tpuray.serve.llm.config import LLMConfig
+from tpuray.serve.llm.deployments.failover import ModelStatus
 from tpuray.serve.llm.deployments.server import LLMServer
 from tpuray.serve.llm.metrics import count_http, merge_expositions, process_exposition
 from tpuray.serve.llm.openai.errors import OpenAIError, add_error_handlers, engine_dead_error, error_response
 from tpuray.serve.llm.openai.openapi import (
+    HEALTH_DOCS,
     METRICS_DOCS,
-    Health,
     ModelCard,
     ModelList,
     get_docs,
@@ -48,6 +49,7 @@ ROUTES = {
     "/detokenize": "detokenize",
 }
 MODEL_OPTIONAL = {"tokenize", "detokenize"}
+STATUS_TIMEOUT_S = 2.0  # a model deployment that does not say its state by then is "unavailable"
 
 
 # -- the body, bounded before it is parsed ---------------------------------------------------------
@@ -143,6 +145,12 @@ class _Remote:
     async def card(self) -> dict:
         return await self.handle.card.remote()
 
+    async def status(self) -> ModelStatus:
+        try:
+            return await asyncio.wait_for(self.handle.status.remote(), STATUS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no replica answers (stopped, starting): the state says so
+            return ModelStatus("unavailable")
+
     async def metrics(self) -> str:
         return await self.handle.metrics.remote()
 
@@ -161,6 +169,9 @@ class _Local:
 
     async def card(self) -> dict:
         return self.server.card()
+
+    async def status(self) -> ModelStatus:
+        return self.server.status()
 
 
 async def _close(gen: Any) -> None:
@@ -252,16 +263,25 @@ class LLMRouter:
             )
         return self.backends[model]
 
+    async def _statuses(self) -> dict[str, ModelStatus]:
+        statuses = await asyncio.gather(*(b.status() for b in self.backends.values()))
+        return dict(zip(self.backends, statuses, strict=True))
+
+    async def _cards(self) -> list[dict[str, Any]]:
+        """The models' cards, each with its state now (`status`: openapi.py's ModelState)."""
+        statuses = await self._statuses()
+        return [{**c, "status": statuses[c["id"]].state} for c in self.cards]
+
     @api.get("/v1/models", **get_docs(ModelList, 401))
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": self.cards}
+        return {"object": "list", "data": await self._cards()}
 
     @api.get("/v1/models/{model:path}", **get_docs(ModelCard, 401, 404))
     async def model(self, model: str, request: Request):
         self._authorize(request)
         self._backend(model, "models")
-        return next(c for c in self.cards if c["id"] == model)
+        return next(c for c in await self._cards() if c["id"] == model)
 
     @api.post("/v1/completions", **post_docs("/v1/completions"))
     @api.post("/v1/chat/completions", **post_docs("/v1/chat/completions"))
@@ -302,9 +322,19 @@ class LLMRouter:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    @api.get("/health", **get_docs(Health))
+    @api.get("/health", **HEALTH_DOCS)
     async def health(self):
-        return {"status": "ok"}
+        """200 while a model serves (`ok`: all of them, `degraded`: some); 503 with Retry-After when none
+        does (their engines restarting), each model's state in `models`."""
+        statuses = await self._statuses()
+        serving = sum(s.state == "serving" for s in statuses.values())
+        status = "ok" if serving == len(statuses) else "degraded" if serving else "unavailable"
+        body = {"status": status, "models": {m: s.state for m, s in statuses.items()}}
+        if serving:
+            return body
+        waits = [s.retry_after_s for s in statuses.values() if s.retry_after_s is not None]
+        headers = {"Retry-After": str(min(waits))} if waits else None
+        return JSONResponse(body, status_code=503, headers=headers)
 
     @api.get("/metrics", response_class=PlainTextResponse, **METRICS_DOCS)
     async def metrics(self):

@@ -5,19 +5,23 @@ interface every backend follows (`Backend`) is in backends/base.py.
 
 Request errors cross the Serve boundary as values: LLMServer returns (a stream yields) the OpenAIError
 instead of raising it, so a bad request costs no exception traceback in the replica log. A request that
-fails because the engine died (`Backend.engine_error`) gets `engine_dead_error` (503), never a 500; one
-that arrives once the death is known gets it at once, before anything of it is parsed.
+fails because the engine died (`Backend.engine_error`) gets `engine_dead_error` (503 with Retry-After),
+never a 500; one that arrives once the death is known gets it at once, before anything of it is parsed,
+while the replica starts a new engine (`EngineSlot.engine_died`, deployments/failover.py).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from tpuray.serve.llm.backends.base import Backend
 from tpuray.serve.llm.backends.factory import create_backend
 from tpuray.serve.llm.config import LLMConfig
-from tpuray.serve.llm.openai.errors import OpenAIError, engine_dead_error
+from tpuray.serve.llm.deployments.failover import EngineSlot, ModelStatus
+from tpuray.serve.llm.openai.errors import OpenAIError
 
 
 class LLMServer:
@@ -33,18 +37,18 @@ class LLMServer:
         return server
 
     async def _start(self, llm_config: LLMConfig) -> None:
-        from tpuray.serve.llm.deployments.failover import EngineSlot
-
         self.config = llm_config
         self.slot: EngineSlot | None = None
+        began = time.monotonic()
         backend = create_backend(llm_config)
         try:
             await backend.start()
         except BaseException:
             backend.shutdown()
             raise
-        # The slot moves the engine to another slice when this one is preempted (deployments/failover.py).
-        self.slot = EngineSlot(llm_config, backend, create_backend)
+        # The slot moves the engine to another slice when this one is preempted, and starts a new one when
+        # it dies (deployments/failover.py).
+        self.slot = EngineSlot(llm_config, backend, create_backend, start_s=time.monotonic() - began)
         self.slot.start()
 
     @property
@@ -61,7 +65,19 @@ class LLMServer:
 
     def describe(self) -> dict[str, Any]:
         assert self.slot is not None
-        return {**self.backend.describe(), "failovers": self.slot.failovers}
+        slot = self.slot
+        return {
+            **self.backend.describe(),
+            "failovers": slot.failovers,
+            "restarts": slot.restarts,
+            "state": slot.status().state,
+            "replica_pid": os.getpid(),
+        }
+
+    def status(self) -> ModelStatus:
+        """The model's state (serving, or recovering from its engine's death), for /health and /v1/models."""
+        assert self.slot is not None
+        return self.slot.status()
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
         assert self.slot is not None
@@ -70,7 +86,7 @@ class LLMServer:
             async with self.slot.use() as backend:
                 dead = backend.engine_error()
                 if dead is not None:  # at once: nothing of the request is parsed or queued on a dead engine
-                    return engine_dead_error(self.model_id, dead)
+                    return self._dead(backend, dead)
                 return await backend.handle(endpoint, body)
         except Exception as e:  # noqa: BLE001 - request errors and engine deaths become OpenAI errors
             return self._error(backend, e)
@@ -82,7 +98,7 @@ class LLMServer:
             async with self.slot.use() as backend:
                 dead = backend.engine_error()
                 if dead is not None:
-                    yield engine_dead_error(self.model_id, dead)
+                    yield self._dead(backend, dead)
                     return
                 async for chunk in backend.handle_stream(endpoint, body):
                     yield chunk
@@ -95,11 +111,17 @@ class LLMServer:
         if isinstance(error, OpenAIError) and error.status < 500:
             return error
         dead = backend.engine_error() if backend is not None else None
-        if dead is not None:
-            return engine_dead_error(self.model_id, dead)
+        if backend is not None and dead is not None:
+            return self._dead(backend, dead)
         if isinstance(error, OpenAIError):
             return error
         raise error
+
+    def _dead(self, backend: Backend, error: BaseException) -> OpenAIError:
+        """The 503 of a request that found `backend`'s engine dead; a new engine starts (if it can)."""
+        assert self.slot is not None
+        self.slot.engine_died(backend, error)
+        return self.slot.unavailable(error)
 
     def metrics(self) -> str:
         """This replica process's Prometheus exposition (metrics.py)."""
@@ -108,8 +130,10 @@ class LLMServer:
         return process_exposition()
 
     async def check_health(self) -> None:
-        """Serve restarts the replica (and so re-reserves its slice) when the engine died; not while it
-        moves off a preempted slice.
+        """Passes while the engine serves, moves off a preempted slice, or, dead, is being replaced by a
+        new one in this replica (the check that finds it dead starts that). Fails when the engine is dead
+        and nothing replaces it (an engine in this process, a model with several replicas, or a restart
+        that ended without one): Serve then replaces the replica, and so re-reserves its slice.
 
         The failure reaches Serve's controller as a plain RuntimeError naming the engine's error: the
         controller unpickles what a health check raises, and an engine's own exception class (vLLM's
@@ -120,6 +144,9 @@ class LLMServer:
         try:
             await self.slot.check_health()
         except Exception as e:  # noqa: BLE001 - any engine failure fails the check, as a builtin type
+            dead = self.backend.engine_error()
+            if dead is not None and self.slot.engine_died(self.backend, dead):
+                return
             raise RuntimeError(
                 f"model {self.model_id!r}: engine unhealthy: {type(e).__name__}: {e}"
             ) from None

@@ -93,12 +93,19 @@ class DetokenizeResponse(_Doc):
     prompt: str
 
 
+# A model's state: its engine serves (or, moving off a preempted slice, holds requests for the new one),
+# died and a new one is starting in its replica (requests get a 503 with Retry-After), or its replica does
+# not answer (a model served by a deployment of its own).
+ModelState = Literal["serving", "recovering", "unavailable"]
+
+
 class ModelCard(_Doc):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int | None = None
+    status: ModelState
 
 
 class ModelList(_Doc):
@@ -120,7 +127,8 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded", "unavailable"]  # every model serving, some, none
+    models: dict[str, ModelState]
 
 
 SSE = {
@@ -142,6 +150,16 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "unknown model"},
     413: {"model": ErrorResponse, "description": "request body too large"},
+    503: {
+        "model": ErrorResponse,
+        "description": "the model's engine died and a new one is starting: retry after `Retry-After` seconds",
+    },
+}
+HEALTH_DOCS: dict[str, Any] = {
+    "responses": {
+        200: {"model": Health, "description": "every model serves (`ok`) or some do (`degraded`)"},
+        503: {"model": Health, "description": "no model serves now; `Retry-After`: when to look again"},
+    }
 }
 
 

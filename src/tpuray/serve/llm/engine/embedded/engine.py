@@ -8,7 +8,7 @@ position, joined by a `tpu_dist` process group) and drives one step at a time fr
 A worker that dies (its process killed, its host lost) kills the engine: the tensor-parallel group cannot
 step without it. The engine then fails every sequence it holds and every later `generate` at once with
 Ray's error of that death (`dead`; no step waits on the dead group), and `check_alive` raises it, so the
-serving replica fails its health check and Serve replaces it on a fresh slice reservation. `end(error)`
+serving replica starts a new engine on a fresh slice reservation (deployments/failover.py). `end(error)`
 does the same for an engine the replica gives up (its slice reached a preemption deadline).
 """
 
