@@ -67,6 +67,12 @@ def test_models_and_replica_layout(client, server):
 
     ids = sorted(m.id for m in client.models.list())
     assert ids == sorted(["tiny", EMBED_ID])
+    # each model's state, asked of its own deployment through the router
+    cards = httpx.get(server + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert {c["id"]: c["status"] for c in cards.json()["data"]} == {"tiny": "serving", EMBED_ID: "serving"}
+    health = httpx.get(server + "/health", timeout=30)
+    assert health.status_code == 200, health.text
+    assert health.json() == {"status": "ok", "models": {"tiny": "serving", EMBED_ID: "serving"}}
     info = serve.get_deployment_handle("LLMServer:tiny", app_name="tpuray-llm").describe.remote().result()
     assert info["tensor_parallel_size"] == 4 and info["emulated"] is True and info["async_scheduling"]
     assert [w["rank"] for w in info["workers"]] == [0, 1, 2, 3]
