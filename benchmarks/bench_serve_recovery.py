@@ -16,11 +16,13 @@ a time. A case is an engine, a tensor_parallel_size, a CPU load and what is kill
   2 on a 2x2 fails in vLLM 0.29's CPU backend (an assertion on its pipeline's intermediate tensors);
 - `host` kills the emulated host of the engine's slice (raylet and all its processes) instead;
 - load N: N busy Python processes (`while True: pass`) from before the kill to the case's end.
-Reported per case, in seconds from the kill, as the clients saw it: the first 503 (engine_dead) of a
-request in flight at the kill, the last answer to one; the first 503 of a request sent after the kill,
-the longest a 503 of one took; the first 200 of one (the replacement serving); the longest any request
-sent after the kill waited (those sent once Serve stopped routing to the dead replica wait in Serve's
-proxy for the replacement); and the requests that failed, by what the client saw.
+Reported per case, in seconds from the kill, as the clients saw it: the first 503 (engine_dead, with
+Retry-After) of a request in flight at the kill, the last answer to one; the first and the last 503 of a
+request sent after the kill (the window in which the replica answers 503s while it starts a new engine),
+the longest a 503 of one took; the first 200 of one (the new engine serving); the longest any request
+sent after the kill waited, whatever it got; whether the same replica served after the kill (Serve did
+not replace it); and the requests that failed, by what the client saw (a 503 response without
+Retry-After counts apart).
 """
 
 from __future__ import annotations
@@ -92,15 +94,24 @@ def config(case: Case, model_dir: str):
     )
 
 
+def refused(r) -> str:
+    """An error response: "503" (engine_dead with a Retry-After), or what else it was."""
+    code = (r.json().get("error") or {}).get("code") if r.status_code == 503 else None
+    if code == "engine_dead":
+        return "503" if r.headers.get("retry-after", "").isdigit() else "503 without Retry-After"
+    return f"{r.status_code} {r.text[:120]}"
+
+
 async def request(http, url: str, tag: str, n: int, stream: bool) -> str:
-    """One completion: "200", "503" (engine_dead) or what else the client saw."""
+    """One completion: "200", "503" (engine_dead, with Retry-After) or what else the client saw."""
     body = {"model": "tiny", "prompt": f"{tag} request {n}", "max_tokens": TOKENS, "seed": n}
     if not stream:
         r = await http.post(url, json=body)
-        return str(r.status_code) if r.status_code in (200, 503) else f"{r.status_code} {r.text[:120]}"
+        return "200" if r.status_code == 200 else refused(r)
     async with http.stream("POST", url, json={**body, "stream": True}) as r:
         if r.status_code != 200:
-            return str(r.status_code)
+            await r.aread()
+            return refused(r)
         events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
     errors = [json.loads(e)["error"] for e in events if '"error"' in e]
     if errors:
@@ -170,11 +181,14 @@ async def load_and_kill(url: str, kill, done: list[Request], marks: dict) -> Non
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def figures(case: Case, done: list[Request], kill: float, stop: float) -> dict:
+def figures(case: Case, done: list[Request], kill: float, stop: float, replica_kept: bool) -> dict:
     """The case's row: seconds from the kill (nan: none), and the failures by what the client saw."""
 
     def first(rows: list[Request], outcome: str) -> float:
         return min((r.end for r in rows if r.outcome == outcome), default=math.nan) - kill
+
+    def last(rows: list[Request], outcome: str) -> float:
+        return max((r.end for r in rows if r.outcome == outcome), default=math.nan) - kill
 
     def ended(r: Request) -> float:  # a request still waiting at the case's end counts to then
         return stop if math.isnan(r.end) else r.end
@@ -187,9 +201,11 @@ def figures(case: Case, done: list[Request], kill: float, stop: float) -> dict:
         "inflight_503_s": first(inflight, "503"),
         "inflight_last_s": max((ended(r) for r in inflight), default=kill) - kill,
         "new_503_s": first(new, "503"),
+        "new_503_last_s": last(new, "503"),
         "new_503_max_s": max((r.end - r.sent for r in new if r.outcome == "503"), default=math.nan),
         "back_200_s": first(new, "200"),
         "new_wait_max_s": max((ended(r) - r.sent for r in new), default=math.nan),
+        "replica_kept": replica_kept,
         "failed": dict(Counter(r.outcome for r in done if r.outcome != "200")),
     }
 
@@ -206,12 +222,14 @@ def run_case(cluster, port: int, case: Case, model_dir: str) -> dict:
     app = build_openai_app(LLMServingArgs(llm_configs=[config(case, model_dir)]))
     serve.run(app, name="rec", route_prefix="/")
     handle = serve.get_deployment_handle("LLMServer:tiny", app_name="rec")
+    replica = handle.describe.remote().result()["replica_pid"]
     kill = kill_action(cluster, handle, case)
     done: list[Request] = []
     marks: dict = {}
     busy = burners(case.load)
     try:
         asyncio.run(load_and_kill(f"http://127.0.0.1:{port}/v1/completions", kill, done, marks))
+        kept = handle.describe.remote().result(timeout_s=60)["replica_pid"] == replica
     finally:
         for p in busy:
             p.kill()
@@ -219,7 +237,7 @@ def run_case(cluster, port: int, case: Case, model_dir: str) -> dict:
         serve.delete("rec")
         if case.kill == "host" and marks.get("token"):
             cluster.restore_host(marks["token"])
-    return {**figures(case, done, marks["kill"], marks["stop"]), "loadavg_1m": os.getloadavg()[0]}
+    return {**figures(case, done, marks["kill"], marks["stop"], kept), "loadavg_1m": os.getloadavg()[0]}
 
 
 def table(rows: list[dict]) -> str:
@@ -227,15 +245,17 @@ def table(rows: list[dict]) -> str:
         ("in flight: 1st 503", "inflight_503_s"),
         ("last answer", "inflight_last_s"),
         ("new: 1st 503", "new_503_s"),
+        ("last 503", "new_503_last_s"),
         ("slowest 503", "new_503_max_s"),
         ("1st 200", "back_200_s"),
         ("longest wait", "new_wait_max_s"),
     ]
-    lines = [f"{'case':<34}{'requests':>9}" + "".join(f"{h:>20}" for h, _ in cols) + "  failed"]
+    lines = [f"{'case':<34}{'requests':>9}" + "".join(f"{h:>20}" for h, _ in cols) + "  same replica  failed"]
     for r in rows:
         cells = "".join(f"{r[k]:>20.1f}" for _, k in cols)
+        kept = "yes" if r["replica_kept"] else "no"
         lines.append(
-            f"{r['case']:<34}{r['requests']:>9}{cells}  {r['failed']} (load avg {r['loadavg_1m']:.0f})"
+            f"{r['case']:<34}{r['requests']:>9}{cells}  {kept:>12}  {r['failed']} (load avg {r['loadavg_1m']:.0f})"
         )
     return "\n".join(lines)
 
