@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from _util import TWO_WORKERS_V6E_2X2
+from _util import TWO_WORKERS_V6E_2X2, live_processes
 from tpuray.serve.llm.generation import SamplingParams
 
 PROMPTS = ["Hello world", "1 + 2 =", "The"]
@@ -77,5 +77,9 @@ def orphaned(value: Any) -> Any:
 
     owner = Owner.options(scheduling_strategy=on_this_node()).remote()
     (ref,) = ray.get(owner.put.remote(value))
+    pid = ray.get(owner.__ray_call__.remote(lambda self: __import__("os").getpid()))
     kill(owner)
+    # Ray reports the actor dead before its process has exited: until it has, it still answers where its
+    # objects are, and a pull of the ref can succeed (seen on a loaded machine)
+    assert not live_processes([pid]), f"the owner's process {pid} outlived its kill"
     return ref
