@@ -1,6 +1,7 @@
 """The embedded PyTorch engine (`engine.EmbeddedEngine`) and its internals: one Ray actor per chip
 (`worker.EngineWorker`) runs the Llama-style model (`model`) with its KV cache (`kv_cache`) through
-shape-static steps (`runner`, `step_plan`); the scheduler
+shape-static steps (`runner`, `step_plan`; on a TPU compiled once and kept on the host's disk: `programs`,
+`tpu_compile`); the scheduler
 (`scheduler`) batches sequences and samples (`sampling`, `logits`, `grammar`); what it takes and gives
 (`SamplingParams`, `SeqOutput`, `PromptEncoder`) is engine-neutral: `tpuray.serve.llm.generation`; what
 it honours and refuses: `tpuray.serve.llm.openai.checks` (request fields), `config` (engine_kwargs).
