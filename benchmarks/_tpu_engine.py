@@ -246,3 +246,53 @@ def greedy_tokens(runner, n: int = 24, mode: str = "sync", slot: int = 0) -> lis
         pending = launched
     ids.append(runner.collect(pending).token_ids[0])
     return ids
+
+
+class _Unwritten:
+    """A KV cache whose writes are dropped (reads and sizes are the runner's cache's): a prefill program
+    over it measures the model's time without its cache writes."""
+
+    def __init__(self, cache) -> None:
+        self.__dict__.update(cache.__dict__)
+
+    def write(self, layer, slots, positions, k, v) -> None:
+        pass
+
+
+def prefill_split(runner, prompt_len: int, steps: int) -> dict:
+    """Where a prompt's time to first token goes (ms, median of `steps`): the whole `runner.step` (TTFT:
+    packing on the host, one input copy, the program, the ids read back); the prefill program alone with
+    its inputs already on the device; the same program compiled over a cache whose writes are dropped
+    (what the prompt's K/V scatters into the cache cost, as the difference)."""
+    import statistics
+
+    from tpuray.serve.llm.engine.embedded.runner import StepFunctions
+    from tpuray.serve.llm.engine.embedded.step_plan import pack_prefills
+    from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+    prompt = list(range(3, 3 + prompt_len))
+    row = [(0, prompt, 0, None)]
+    pack = pack_prefills(row, [0], runner.buckets, runner.cache.trash_slot)[0]
+    packed = pack.packed.to(runner.device)
+    s = runner.steps
+    unwritten = StepFunctions(s.model, _Unwritten(s.cache), s.last_ids, s.kv_write, s.dense_write_min_rows)
+    backend = lookup(runner.backend) if runner.backend else "eager"
+    no_writes = torch.compile(unwritten.prefill, backend=backend, dynamic=False, fullgraph=True)
+
+    def median_ms(fn) -> float:
+        fn()  # untimed: compiles where it must
+        times = []
+        for _ in range(steps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    return dict(
+        prompt_tokens=prompt_len,
+        pack_tokens=int(packed.shape[-1]),
+        step_ms=median_ms(lambda: runner.step(row, need_logits=False)),
+        program_ms=median_ms(lambda: runner._prefill(packed, pack.num_prompts)[1].cpu()),
+        program_without_cache_writes_ms=median_ms(lambda: no_writes(packed, pack.num_prompts)[1].cpu()),
+    )

@@ -26,6 +26,7 @@ from _tpu_engine import (
     decode_split,
     greedy_tokens,
     loop_rate,
+    prefill_split,
     serve_mixed,
     sync,
     timed,
@@ -237,6 +238,25 @@ def bench_vllm_weights(args) -> None:
     report("vllm_weights", **vllm_weights(path, state, args.steps, args.device, report))
 
 
+def bench_prefill(args) -> None:
+    """Where a prompt's time to first token goes (`prefill_split`), for prompts of 128 and 512 tokens:
+    the engine compiles only the shapes measured (no warm-up)."""
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+    path, _ = checkpoint(args)
+    runner = ModelRunner(
+        str(path),
+        max_num_seqs=32,
+        max_model_len=args.max_model_len,
+        dtype="bfloat16",
+        device=args.device,
+        compile=True if args.device == "tpu" else None,
+        compile_backend=args.compile_backend.split(",")[0] if args.device == "tpu" else None,
+    )
+    for prompt_len in (128, min(512, args.max_model_len - 1)):
+        report("prefill_split", backend=runner.backend, **prefill_split(runner, prompt_len, args.steps))
+
+
 def bench_kv_write(args) -> None:
     """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
     write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu
@@ -385,7 +405,9 @@ def handover(weights, take, level: int, live) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["engine", "vllm", "vllm-weights", "train", "kv-write", "weights"])
+    ap.add_argument(
+        "what", choices=["engine", "prefill", "vllm", "vllm-weights", "train", "kv-write", "weights"]
+    )
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
     ap.add_argument("--small", action="store_true", help="a tiny model (checks the script only)")
@@ -427,7 +449,8 @@ def main() -> None:
         from tpuray.runtime import activate
 
         report("runtime", mode=activate())
-    commands = {"engine": bench_engine, "vllm": bench_vllm, "vllm-weights": bench_vllm_weights}
+    commands = {"engine": bench_engine, "prefill": bench_prefill, "vllm": bench_vllm}
+    commands["vllm-weights"] = bench_vllm_weights
     commands |= {
         "train": lambda a: bench_train(a, report),
         "kv-write": bench_kv_write,
