@@ -125,13 +125,14 @@ print("START " + json.dumps({"warmup_compiled": warm, "compiled": r.compilations
 def runner_start(
     model_dir: str, cache, device: str, backend: str, load_workers: int = 1, timeout_s: float = 600
 ) -> dict:
-    """RUNNER_START in a fresh process with TPURAY_COMPILE_CACHE=`cache`: its JSON line as a dict."""
+    """RUNNER_START in a fresh process with TPURAY_COMPILE_CACHE=`cache` (and torch's own compile caches in
+    `cache`-torch, TORCHINDUCTOR_CACHE_DIR): its JSON line as a dict."""
     import json
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, TPURAY_COMPILE_CACHE=str(cache))
+    env = dict(os.environ, TPURAY_COMPILE_CACHE=str(cache), TORCHINDUCTOR_CACHE_DIR=f"{cache}-torch")
     out = subprocess.run(
         [sys.executable, "-c", RUNNER_START, model_dir, device, backend, str(load_workers)],
         env=env,

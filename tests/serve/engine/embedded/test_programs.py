@@ -5,9 +5,13 @@ torch_tpu on the CPU (both return programs torch can serialize); tests/real_tpu 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+from torch._inductor.output_code import OutputCode
 
 from _util import runner_start
+from tpuray.serve.llm.engine.embedded.programs import backend_code_shared
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
 
@@ -19,6 +23,10 @@ def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(
     assert first["compiled"] == first["warmup_compiled"] == n and first["loaded"] == 0
     saved = sorted((cache / "programs").rglob("*.bin"))
     assert len(saved) == n, saved
+    torch_aot_cache = tmp_path / "cache-torch" / "aotautograd"  # the store saved them; torch's cache not
+    assert not (torch_aot_cache.exists() and any(torch_aot_cache.rglob("*"))), list(
+        torch_aot_cache.rglob("*")
+    )
     second = runner_start(tiny_model_dir, cache, "cpu", "inductor", load_workers=2)  # read by 2 threads
     assert second["compiled"] == 0 and second["loaded"] == n
     assert second["tokens"] == first["tokens"]
@@ -28,6 +36,21 @@ def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(
     assert third["compiled"] == 1 and third["loaded"] == n - 1
     assert f"{saved[0]} unreadable" in third["stderr"] and "compiling it again" in third["stderr"]
     assert third["tokens"] == first["tokens"]
+
+
+class _Code(OutputCode):
+    """A backend's compiled code, as torch_tpu's executables and Inductor's graphs are (OutputCode)."""
+
+    def __init__(self) -> None:
+        self.payload = [1, 2, 3]
+
+
+def test_a_loaded_programs_backend_code_is_shared_not_copied():
+    code = _Code()
+    with backend_code_shared():
+        assert copy.deepcopy({"result": code})["result"] is code
+    copied = copy.deepcopy({"result": code})["result"]
+    assert copied is not code and copied.payload == code.payload  # outside it, deep copies as before
 
 
 def _runner(path: str, backend: str) -> ModelRunner:

@@ -13,10 +13,12 @@ or the cache off, the programs are plain torch.compile'd functions that Dynamo d
 from __future__ import annotations
 
 import atexit
+import contextlib
+import copy
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +32,59 @@ logger = logging.getLogger(__name__)
 SAVABLE_BACKENDS = ("tpu-donate", "tpu", "inductor")
 
 Program = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _subclasses(cls: type) -> set[type]:
+    found: set[type] = set(cls.__subclasses__())
+    for sub in list(found):
+        found |= _subclasses(sub)
+    return found
+
+
+@contextlib.contextmanager
+def backend_code_shared() -> Iterator[None]:
+    """While it lasts, a deep copy of a backend's compiled code (torch's `OutputCode`: torch_tpu's
+    executables, Inductor's graphs) is the object itself. torch's loader deep-copies a loaded program's
+    cache entry "in case it needs to be serialized again" (`deserialize_bundled_cache_entry`), which for
+    torch_tpu serializes each executable and loads it onto the device a second time, held as long as the
+    program; a loaded program is never saved again here, so the copy shares it instead. Enter it on the
+    thread that loads (or starts the loading threads), with no other deep copy of such code under way."""
+    from torch._inductor.output_code import OutputCode
+
+    added = [c for c in _subclasses(OutputCode) if c not in copy._deepcopy_dispatch]  # type: ignore[attr-defined]
+    for c in added:
+        copy._deepcopy_dispatch[c] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for c in added:
+            copy._deepcopy_dispatch.pop(c, None)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def torch_cache_unwritten() -> Iterator[None]:
+    """While it lasts, AOTAutograd prepares a compiled program's cache entry for serialization but neither
+    pickles it nor writes it into torch's own cache (`AOTAutogradCache.save`, which aot_compile turns on):
+    the program store saves the entry itself, and for torch_tpu each pickle serializes the executable (a
+    second copy of every program on disk, and its time, at every first start)."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    except ImportError:  # another torch: its cache is written as before
+        yield
+        return
+    original = AOTAutogradCache.__dict__.get("save")
+    if original is None:
+        yield
+        return
+
+    def prepare_only(key: str, entry: Any, remote: bool) -> None:
+        entry.pre_save()
+
+    AOTAutogradCache.save = staticmethod(prepare_only)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AOTAutogradCache.save = original  # type: ignore[method-assign]
 
 
 class StepPrograms:
@@ -96,7 +151,7 @@ class StepPrograms:
             return
         store = self.store
         saved = [n for n in names if n not in self._programs and store.path(n).exists()]
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tpuray-load") as pool:
+        with backend_code_shared(), ThreadPoolExecutor(workers, thread_name_prefix="tpuray-load") as pool:
             self._preloaded.update(zip(saved, pool.map(store.load, saved), strict=True))
 
     def _run(self, kind: str, name: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +169,17 @@ class StepPrograms:
         assert self.store is not None
         source = self._sources[kind]
         owner = source.__self__  # type: ignore[attr-defined]  # the runner: the program's `self`
-        program = self._preloaded.pop(name) if name in self._preloaded else self.store.load(name)
+        if name in self._preloaded:
+            program = self._preloaded.pop(name)
+        else:
+            with backend_code_shared():
+                program = self.store.load(name)
         if program is not None and self._accepts(program, name, owner, args):
             self.loaded += 1
         else:
             try:
-                program = self._compiler(source).aot_compile((args, {}))
+                with torch_cache_unwritten():
+                    program = self._compiler(source).aot_compile((args, {}))
             except RuntimeError as e:  # the backend's program is not serializable: Dynamo dispatches
                 if "SerializableCallable" not in str(e):
                     raise
