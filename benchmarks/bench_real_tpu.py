@@ -448,7 +448,9 @@ def main() -> None:
     if args.device == "tpu":
         from tpuray.runtime import activate
 
-        report("runtime", mode=activate())
+        imported_s = since_process_start()  # Python, torch and this script's imports
+        mode = activate()
+        report("runtime", mode=mode, imported_s=imported_s, activated_s=since_process_start())
     commands = {"engine": bench_engine, "prefill": bench_prefill, "vllm": bench_vllm}
     commands["vllm-weights"] = bench_vllm_weights
     commands |= {
