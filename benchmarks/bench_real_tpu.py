@@ -132,6 +132,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         compile=True if args.device == "tpu" else None,
         compile_backend=backend,
         load_workers=args.load_workers,
+        async_compile=args.async_compile,
         **options,
     )
     load_s = time.perf_counter() - t0
@@ -148,6 +149,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         programs=built,
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,
+        async_compile=args.async_compile,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
@@ -438,6 +440,11 @@ def main() -> None:
         type=int,
         default=1,
         help="engine: threads reading saved programs at warm-up (runner.py)",
+    )
+    ap.add_argument(
+        "--async-compile",
+        action="store_true",
+        help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
     args = ap.parse_args()

@@ -105,13 +105,13 @@ RUNNER_START = """
 import json, os, sys
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
-path, device, backend, load_workers = *sys.argv[1:4], int(sys.argv[4])
+path, device, backend, load_workers, async_compile = *sys.argv[1:4], int(sys.argv[4]), sys.argv[5] == "1"
 if not os.path.exists(os.path.join(path, "config.json")):  # built here: on a TPU VM one process holds the chip
     from tpuray.models import build_tiny_causal_lm
     build_tiny_causal_lm(path, max_position_embeddings=512)
 buckets = Buckets(batch=(1, 2), tokens=(16,), context=(64,), prefill_seqs=2)
 r = ModelRunner(path, max_num_seqs=2, max_model_len=64, device=device, compile=True, compile_backend=backend,
-                buckets=buckets, load_workers=load_workers)
+                buckets=buckets, load_workers=load_workers, async_compile=async_compile)
 warm = r.warmup()
 rows, tokens = [(0, [5, 6, 7, 8], 0, None), (1, [9, 10, 11], 0, None)], []
 for i in range(9):
@@ -123,7 +123,13 @@ print("START " + json.dumps({"warmup_compiled": warm, "compiled": r.compilations
 
 
 def runner_start(
-    model_dir: str, cache, device: str, backend: str, load_workers: int = 1, timeout_s: float = 600
+    model_dir: str,
+    cache,
+    device: str,
+    backend: str,
+    load_workers: int = 1,
+    async_compile: bool = False,
+    timeout_s: float = 600,
 ) -> dict:
     """RUNNER_START in a fresh process with TPURAY_COMPILE_CACHE=`cache` (and torch's own compile caches in
     `cache`-torch, TORCHINDUCTOR_CACHE_DIR): its JSON line as a dict."""
@@ -134,7 +140,16 @@ def runner_start(
 
     env = dict(os.environ, TPURAY_COMPILE_CACHE=str(cache), TORCHINDUCTOR_CACHE_DIR=f"{cache}-torch")
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER_START, model_dir, device, backend, str(load_workers)],
+        [
+            sys.executable,
+            "-c",
+            RUNNER_START,
+            model_dir,
+            device,
+            backend,
+            str(load_workers),
+            str(int(async_compile)),
+        ],
         env=env,
         capture_output=True,
         text=True,

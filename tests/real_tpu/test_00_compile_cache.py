@@ -56,3 +56,16 @@ def test_a_second_start_loads_the_engines_programs_whole(tmp_path):
     )
     assert second["compiled"] == 0 and second["loaded"] == second["programs"]
     assert second["tokens"] == first["tokens"]
+
+
+def test_programs_compiled_in_the_background_give_the_same_tokens(tmp_path):
+    """async_compile (torch_tpu lowers and compiles in its threads while the next program is traced):
+    every program built and saved, the same greedy tokens as compiled one by one, loaded again whole."""
+    from _util import runner_start
+
+    model = str(tmp_path / "model")
+    first = runner_start(model, tmp_path / "cache-sync", "tpu", "tpu-donate")
+    background = runner_start(model, tmp_path / "cache-async", "tpu", "tpu-donate", async_compile=True)
+    assert background["compiled"] == background["programs"] and background["tokens"] == first["tokens"]
+    again = runner_start(model, tmp_path / "cache-async", "tpu", "tpu-donate")
+    assert again["loaded"] == again["programs"] and again["tokens"] == first["tokens"]

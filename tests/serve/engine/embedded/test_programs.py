@@ -53,10 +53,16 @@ def test_a_loaded_programs_backend_code_is_shared_not_copied():
     assert copied is not code and copied.payload == code.payload  # outside it, deep copies as before
 
 
-def _runner(path: str, backend: str) -> ModelRunner:
+def _runner(path: str, backend: str, **kwargs) -> ModelRunner:
     buckets = Buckets(batch=(1,), tokens=(16,), context=(32,), prefill_seqs=1)
     return ModelRunner(
-        path, max_num_seqs=1, max_model_len=32, compile=True, compile_backend=backend, buckets=buckets
+        path,
+        max_num_seqs=1,
+        max_model_len=32,
+        compile=True,
+        compile_backend=backend,
+        buckets=buckets,
+        **kwargs,
     )
 
 
@@ -71,6 +77,19 @@ def test_programs_of_a_backend_that_cannot_save_them_stay_in_memory(tiny_model_d
 def test_load_workers_must_be_a_positive_integer(tiny_model_dir):
     with pytest.raises(ValueError, match=r"load_workers=0 is not valid; valid: an integer >= 1"):
         ModelRunner(tiny_model_dir, max_num_seqs=1, max_model_len=32, load_workers=0)
+
+
+@pytest.mark.parametrize(
+    "cache, words",
+    [
+        ("on", r"needs compile_backend in \('tpu-donate',\).*got compile_backend='inductor'"),
+        ("off", "cache off"),
+    ],
+)
+def test_async_compile_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path, monkeypatch, cache, words):
+    monkeypatch.setenv("TPURAY_COMPILE_CACHE", str(tmp_path / "cache") if cache == "on" else "off")
+    with pytest.raises(ValueError, match=f"async_compile=True .*{words}"):
+        _runner(tiny_model_dir, "inductor", async_compile=True)
 
 
 def test_with_the_cache_off_nothing_is_saved(tiny_model_dir, tmp_path, monkeypatch):

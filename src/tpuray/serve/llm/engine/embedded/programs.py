@@ -30,6 +30,7 @@ from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
 logger = logging.getLogger(__name__)
 
 SAVABLE_BACKENDS = ("tpu-donate", "tpu", "inductor")
+ASYNC_BACKENDS = ("tpu-donate",)  # whose compiler lowers and compiles in background threads
 
 Program = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -62,11 +63,13 @@ def backend_code_shared() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def torch_cache_unwritten() -> Iterator[None]:
+def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
     """While it lasts, AOTAutograd prepares a compiled program's cache entry for serialization but neither
     pickles it nor writes it into torch's own cache (`AOTAutogradCache.save`, which aot_compile turns on):
     the program store saves the entry itself, and for torch_tpu each pickle serializes the executable (a
-    second copy of every program on disk, and its time, at every first start)."""
+    second copy of every program on disk, and its time, at every first start). With `deferred`, the
+    entries are appended there unprepared (preparing an entry waits for a compilation in the background:
+    the caller prepares them before saving)."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     except ImportError:  # another torch: its cache is written as before
@@ -78,7 +81,10 @@ def torch_cache_unwritten() -> Iterator[None]:
         return
 
     def prepare_only(key: str, entry: Any, remote: bool) -> None:
-        entry.pre_save()
+        if deferred is None:
+            entry.pre_save()
+        else:
+            deferred.append(entry)
 
     AOTAutogradCache.save = staticmethod(prepare_only)  # type: ignore[method-assign]
     try:
@@ -92,14 +98,31 @@ class StepPrograms:
     (bound methods of the runner), compiled with the backend `backend_name`. `compiled` counts programs
     built by the compiler, `loaded` those read from `store`."""
 
-    def __init__(self, prefill: Program, decode: Program, backend_name: str, store: ProgramStore | None):
-        backend = lookup(backend_name)
+    def __init__(
+        self,
+        prefill: Program,
+        decode: Program,
+        backend_name: str,
+        store: ProgramStore | None,
+        async_compile: bool = False,
+    ):
+        self.store = store if backend_name in SAVABLE_BACKENDS else None
+        if async_compile and (backend_name not in ASYNC_BACKENDS or self.store is None):
+            raise ValueError(
+                f"async_compile=True needs compile_backend in {ASYNC_BACKENDS} and the compilation cache on "
+                f"(TPURAY_COMPILE_CACHE not 'off'); got compile_backend={backend_name!r}, "
+                f"cache {'on' if store else 'off'}"
+            )
+        self.async_compile = async_compile
+        backend = lookup(backend_name, async_compile=async_compile)
         self.compiled = 0
         self.loaded = 0
-        self.store = store if backend_name in SAVABLE_BACKENDS else None
         self._sources = {"prefill": prefill, "decode": decode}
         self._programs: dict[str, Program] = {}
         self._preloaded: dict[str, Any] = {}  # saved programs read by `preload`, not yet checked
+        self._unsaved_entries: dict[
+            str, tuple[Any, list[Any]]
+        ] = {}  # built by `build`, saved by `save_built`
 
         def counting(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
             self.compiled += 1
@@ -130,19 +153,18 @@ class StepPrograms:
     def _compiler(self, fn: Program) -> Any:
         return torch.compile(fn, backend=self._backend, dynamic=False, fullgraph=True)
 
-    @staticmethod
-    def prefill_name(tokens: int, num_prompts: int) -> str:
-        return f"prefill-{tokens}x{num_prompts}"
-
-    @staticmethod
-    def decode_name(batch: int, context_len: int) -> str:
-        return f"decode-{batch}x{context_len}"
-
     def prefill(self, packed: torch.Tensor, num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run("prefill", self.prefill_name(packed.shape[-1], num_prompts), packed, num_prompts)
+        return self._run("prefill", packed, num_prompts)
 
     def decode(self, packed: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run("decode", self.decode_name(packed.shape[-1], context_len), packed, context_len)
+        return self._run("decode", packed, context_len)
+
+    @staticmethod
+    def name(kind: str, args: tuple[Any, ...]) -> str:
+        """The program's name of a step of `kind` ("prefill", "decode") on `args`: its packed inputs, and
+        the prompts per pack or the context length (the bucket: one program each)."""
+        packed, size = args
+        return f"{kind}-{packed.shape[-1]}x{size}"
 
     def preload(self, names: list[str], workers: int) -> None:
         """Read the saved programs among `names` from the store with `workers` threads, ahead of their
@@ -154,15 +176,34 @@ class StepPrograms:
         with backend_code_shared(), ThreadPoolExecutor(workers, thread_name_prefix="tpuray-load") as pool:
             self._preloaded.update(zip(saved, pool.map(store.load, saved), strict=True))
 
-    def _run(self, kind: str, name: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def build(self, kinds_and_args: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Build every program of `kinds_and_args` ("prefill" or "decode", and its inputs) before running
+        any: with async_compile, torch_tpu lowers and compiles each one in the background while the next
+        is traced. `save_built` then saves those compiled here (waiting for each)."""
+        for kind, args in kinds_and_args:
+            name = self.name(kind, args)
+            if self.store is not None and name not in self._programs:
+                self._programs[name] = self._build(kind, name, args, defer_save=True)
+
+    def save_built(self) -> None:
+        assert self.store is not None or not self._unsaved_entries
+        for name, (program, entries) in self._unsaved_entries.items():
+            for entry in entries:
+                entry.pre_save()
+            if self.store is not None:
+                self.store.save(name, program)
+        self._unsaved_entries.clear()
+
+    def _run(self, kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.store is None:
             return self._dynamo[kind](*args)
+        name = self.name(kind, args)
         program = self._programs.get(name)
         if program is None:
             program = self._programs[name] = self._build(kind, name, args)
         return program(*args)
 
-    def _build(self, kind: str, name: str, args: tuple[Any, ...]) -> Program:
+    def _build(self, kind: str, name: str, args: tuple[Any, ...], defer_save: bool = False) -> Program:
         """The program `name`: loaded from the store when it holds one whose guards accept these inputs,
         else compiled ahead of time and saved. The runner's bucket picks the program, so its guards are
         checked once here, not at every step."""
@@ -177,14 +218,18 @@ class StepPrograms:
         if program is not None and self._accepts(program, name, owner, args):
             self.loaded += 1
         else:
+            deferred: list[Any] | None = [] if defer_save else None
             try:
-                with torch_cache_unwritten():
+                with torch_cache_unwritten(deferred):
                     program = self._compiler(source).aot_compile((args, {}))
             except RuntimeError as e:  # the backend's program is not serializable: Dynamo dispatches
                 if "SerializableCallable" not in str(e):
                     raise
                 return self._unsaved(e)[kind]
-            self.store.save(name, program)
+            if deferred is None:
+                self.store.save(name, program)
+            else:
+                self._unsaved_entries[name] = (program, deferred)
         program.disable_guard_check()
         return functools.partial(program, owner)
 

@@ -135,7 +135,8 @@ class ModelRunner:
     before the previous one is read back (async scheduling: `launch`, then `collect`). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
     anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes).
     Where a compiled runner finds its programs saved (programs.py), `load_workers` threads read them at
-    warm-up (1: each one at its first call)."""
+    warm-up (1: each one at its first call); `async_compile` (with "tpu-donate") has torch_tpu lower and
+    compile the missing ones in background threads while the next is traced."""
 
     def __init__(
         self,
@@ -155,6 +156,7 @@ class ModelRunner:
         kv_write: KVWrite = "auto",
         decode_attention: Literal["auto", "sdpa", "matmul"] = "auto",
         load_workers: int = 1,
+        async_compile: bool = False,
     ):
         if not isinstance(load_workers, int) or load_workers < 1:
             raise ValueError(f"load_workers={load_workers!r} is not valid; valid: an integer >= 1")
@@ -193,7 +195,7 @@ class ModelRunner:
             if real_tpu:  # XLA programs kept on the host's disk for the next start (compile_cache.py)
                 compile_cache.enable()
             self.backend = compile_backend or default_backend(self.device, world_size)
-            self._compile(self.backend, path, kv_write, dtype)
+            self._compile(self.backend, path, kv_write, dtype, async_compile)
 
     @property
     def compilations(self) -> int:
@@ -205,7 +207,7 @@ class ModelRunner:
         """Programs read whole from the host's compilation cache instead of compiled."""
         return self.programs.loaded if self.programs else 0
 
-    def _compile(self, backend_name: str, path: str, kv_write: str, dtype: str) -> None:
+    def _compile(self, backend_name: str, path: str, kv_write: str, dtype: str, async_compile: bool) -> None:
         from torch._dynamo import config as dynamo_config
 
         # one Dynamo cache entry per bucket (where Dynamo dispatches): raise its limits (default 8)
@@ -213,7 +215,9 @@ class ModelRunner:
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * self.buckets.num_programs))
         store = compile_cache.ProgramStore.for_key(self._program_key(backend_name, path, kv_write, dtype))
-        self.programs = StepPrograms(self.steps.prefill, self.steps.decode, backend_name, store)
+        self.programs = StepPrograms(
+            self.steps.prefill, self.steps.decode, backend_name, store, async_compile
+        )
         self._prefill, self._decode = self.programs.prefill, self.programs.decode
 
     def _program_key(self, backend_name: str, path: str, kv_write: str, dtype: str) -> dict:
@@ -237,22 +241,28 @@ class ModelRunner:
         }
 
     def warmup(self) -> int:
-        """Run (and so compile) every bucket's program once on padding; returns the programs compiled.
+        """Build every bucket's program, then run each once on padding; returns the programs compiled.
         A no-op without `compile`."""
         if not self.compiled:
             return 0
         start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
         b = self.buckets
-        if self.programs is not None and self.load_workers > 1:
-            names = [StepPrograms.prefill_name(T, b.prefill_seqs) for T in b.tokens]
-            names += [StepPrograms.decode_name(B, L) for B in b.batch for L in b.context]
-            self.programs.preload(names, self.load_workers)
-        for T in b.tokens:
-            self._run_prefill(warmup_prefill(T, b, trash))[1].cpu()
+        runs: list[tuple[str, tuple]] = [
+            ("prefill", (p.packed.to(self.device), p.num_prompts))
+            for p in (warmup_prefill(T, b, trash) for T in b.tokens)
+        ]
         for B in b.batch:
             d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
-            for L in b.context:
-                self._run_decode(d, L)[1].cpu()
+            runs += [("decode", (d.packed.to(self.device), L)) for L in b.context]
+        if self.programs is not None:
+            if self.load_workers > 1:
+                self.programs.preload(
+                    [self.programs.name(kind, args) for kind, args in runs], self.load_workers
+                )
+            self.programs.build(runs)  # all built before any runs: async_compile overlaps them
+            self.programs.save_built()
+        for kind, args in runs:
+            (self._prefill if kind == "prefill" else self._decode)(*args)[1].cpu()
         self.warmup_s = time.perf_counter() - start
         return self.compilations - before
 

@@ -61,8 +61,10 @@ def _has_collectives(gm: Any) -> bool:
     return any("c10d" in str(getattr(n, "target", "")) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def donating_backend(name: str) -> Callable[..., Any]:
-    """The torch.compile backend `name` (one of DONATING)."""
+def donating_backend(name: str, async_compile: bool = False) -> Callable[..., Any]:
+    """The torch.compile backend `name` (one of DONATING); with `async_compile`, torch_tpu's compiler
+    lowers and compiles each program in its background threads (the program waits for it when first
+    called or saved)."""
     if name not in DONATING:
         raise ValueError(f"unknown donating backend {name!r}; expected one of {DONATING}")
     execution_mode, tpu_backend, compiler_module = _torch_tpu_internals(name)
@@ -75,7 +77,7 @@ def donating_backend(name: str) -> Callable[..., Any]:
             raise ValueError(f"compile_backend={name!r} takes no options; got {sorted(kwargs['options'])}")
         if _has_collectives(gm):
             raise NotImplementedError(f"compile_backend={name!r} compiles single-chip programs only")
-        compiler = compiler_module.StaticCompiler()
+        compiler = compiler_module.StaticCompiler(async_compile=async_compile)
         compiler.execute_pre_grad_passes(gm)
 
         def forward(graph: Any, inputs: Sequence[Any]) -> Any:
@@ -99,11 +101,13 @@ def donating_backend(name: str) -> Callable[..., Any]:
     return backend
 
 
-def lookup(name: str) -> Callable[..., Any]:
+def lookup(name: str, async_compile: bool = False) -> Callable[..., Any]:
     """The torch.compile backend callable for `name`: one of DONATING, or any name in Dynamo's registry
-    ("tpu", "inductor", "eager", ...)."""
+    ("tpu", "inductor", "eager", ...); `async_compile` for DONATING only."""
     if name in DONATING:
-        return donating_backend(name)
+        return donating_backend(name, async_compile)
+    if async_compile:
+        raise ValueError(f"async_compile needs a backend in {DONATING}; got {name!r}")
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend(name)
