@@ -118,7 +118,7 @@ for i in range(9):
     tokens.append(r.step(rows, need_logits=False).token_ids)
     rows = [(0, [tokens[-1][0]], 4 + i, None), (1, [tokens[-1][1]], 3 + i, None)]
 print("START " + json.dumps({"warmup_compiled": warm, "compiled": r.compilations, "loaded": r.loaded_programs,
-                             "programs": buckets.num_programs, "tokens": tokens}))
+                             "preloaded": r.programs.preloaded, "programs": buckets.num_programs, "tokens": tokens}))
 """
 
 

@@ -42,6 +42,12 @@ from tpuray.emulator.hosts import QUIET_RAY_ENV
 # Nothing here may download from a hub (the machines have no internet): Hugging Face reads its cache only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Compiled programs the suite saves (tpuray.serve.llm.engine.compile_cache) stay out of the home directory.
+if "TPURAY_COMPILE_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["TPURAY_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="tpuray-test-compile-")
+
 # The suite runs two emulated clusters on two cores for its whole length and no test reads Ray's node
 # stats or metrics: every Ray process it starts inherits Ray's quiet settings (bench_idle_cluster.py).
 for _name, _value in QUIET_RAY_ENV.items():

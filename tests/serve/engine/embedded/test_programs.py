@@ -16,7 +16,7 @@ from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
 
 
-def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(tiny_model_dir, tmp_path):
+def test_a_second_start_loads_every_program_and_a_bad_one_is_compiled_again(tiny_model_dir, tmp_path):
     cache = tmp_path / "cache"
     first = runner_start(tiny_model_dir, cache, "cpu", "inductor")
     n = first["programs"]
@@ -28,14 +28,22 @@ def test_a_second_start_loads_every_program_and_a_corrupt_one_is_compiled_again(
         torch_aot_cache.rglob("*")
     )
     second = runner_start(tiny_model_dir, cache, "cpu", "inductor", load_workers=2)  # read by 2 threads
-    assert second["compiled"] == 0 and second["loaded"] == n
+    assert second["compiled"] == 0 and second["loaded"] == second["preloaded"] == n
     assert second["tokens"] == first["tokens"]
 
-    saved[0].write_bytes(b"not a program" * 8)
+    prefill, decode = saved[-1], saved[0]  # sorted: decode-*, then prefill-*
+    assert prefill.name.startswith("prefill") and decode.name.startswith("decode")
+    prefill.write_bytes(b"not a program" * 8)
     third = runner_start(tiny_model_dir, cache, "cpu", "inductor")  # each read at its first call
     assert third["compiled"] == 1 and third["loaded"] == n - 1
-    assert f"{saved[0]} unreadable" in third["stderr"] and "compiling it again" in third["stderr"]
+    assert f"{prefill} unreadable" in third["stderr"] and "compiling it again" in third["stderr"]
     assert third["tokens"] == first["tokens"]
+
+    prefill.write_bytes(decode.read_bytes())  # a program saved for other inputs: its guards refuse them
+    fourth = runner_start(tiny_model_dir, cache, "cpu", "inductor")
+    assert fourth["compiled"] == 1 and fourth["loaded"] == n - 1
+    assert f"{prefill.stem} was saved for other inputs" in fourth["stderr"]
+    assert fourth["tokens"] == first["tokens"]
 
 
 class _Code(OutputCode):
@@ -68,10 +76,12 @@ def _runner(path: str, backend: str, **kwargs) -> ModelRunner:
 
 def test_programs_of_a_backend_that_cannot_save_them_stay_in_memory(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TPURAY_COMPILE_CACHE", str(tmp_path / "cache"))
-    runner = _runner(tiny_model_dir, "eager")  # Dynamo's eager backend: nothing to serialize
+    runner = _runner(tiny_model_dir, "eager")  # Dynamo's eager backend: a debugging backend, not saved
     assert runner.programs is not None and runner.programs.store is None
     assert runner.warmup() == runner.buckets.num_programs and runner.loaded_programs == 0
-    assert not list((tmp_path / "cache").rglob("*.bin"))
+    assert not (tmp_path / "cache").exists()
+    runner.programs.close()  # the programs dropped, and not again at exit
+    assert runner.programs.compiled == runner.buckets.num_programs
 
 
 def test_load_workers_must_be_a_positive_integer(tiny_model_dir):
@@ -83,7 +93,7 @@ def test_load_workers_must_be_a_positive_integer(tiny_model_dir):
     "cache, words",
     [
         ("on", r"needs compile_backend in \('tpu-donate',\).*got compile_backend='inductor'"),
-        ("off", "cache off"),
+        ("off", "nothing saved"),
     ],
 )
 def test_async_compile_is_refused_where_it_cannot_apply(tiny_model_dir, tmp_path, monkeypatch, cache, words):
@@ -97,3 +107,12 @@ def test_with_the_cache_off_nothing_is_saved(tiny_model_dir, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     runner = _runner(tiny_model_dir, "inductor")
     assert runner.programs is not None and runner.programs.store is None
+    assert runner.warmup() == runner.buckets.num_programs
+    assert not list(tmp_path.rglob("*.bin"))
+
+
+def test_load_workers_and_async_compile_are_refused_on_an_eager_runner(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match=r"load_workers=2 and async_compile=False apply to a compiled runner"
+    ):
+        ModelRunner(tiny_model_dir, max_num_seqs=1, max_model_len=32, load_workers=2)

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -94,11 +95,19 @@ class ProgramStore:
     """Whole compiled programs, one file per program name, in a directory of their own key: everything a
     program depends on except the weights' values (which stay inputs of the program). `for_key` returns
     None when the cache is off. An entry that cannot be read (corrupt, another version's) is a miss,
-    logged; a program that cannot be saved is logged once and kept in memory only."""
+    logged; a program that cannot be saved is logged once and kept in memory only. The directory is made
+    at the first save; a key's directory is marked used at every start (its key.json), and the first save
+    under a new key removes all but the KEEP_KEYS most recently used ones (a 1.1B model's programs take
+    ~550 MB; any new tpuray, torch or torch_tpu version, or a new model shape, is a new key)."""
 
-    def __init__(self, directory: Path):
+    KEEP_KEYS = 3
+
+    def __init__(self, directory: Path, key_text: str):
         self.directory = directory
+        self._key_text = key_text
         self._save_failed = False
+        if (directory / "key.json").exists():
+            os.utime(directory / "key.json")  # used now: kept by the next clean-up
 
     @classmethod
     def for_key(cls, key: Mapping[str, Any]) -> ProgramStore | None:
@@ -106,10 +115,7 @@ class ProgramStore:
         if root is None:
             return None
         text = json.dumps({**key, "versions": versions()}, sort_keys=True, default=str, indent=1)
-        directory = root / "programs" / hashlib.sha256(text.encode()).hexdigest()[:24]
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "key.json").write_text(text)
-        return cls(directory)
+        return cls(root / "programs" / hashlib.sha256(text.encode()).hexdigest()[:24], text)
 
     def path(self, name: str) -> Path:
         return self.directory / f"{name}.bin"
@@ -134,6 +140,10 @@ class ProgramStore:
         if self._save_failed:
             return
         try:
+            if not self.directory.exists():
+                self.directory.mkdir(parents=True)
+                (self.directory / "key.json").write_text(self._key_text)
+                self._remove_old_keys()
             program.save_compiled_function(str(self.path(name)))
         except Exception as e:  # noqa: BLE001 - serving goes on with the program in memory
             self._save_failed = True
@@ -143,3 +153,13 @@ class ProgramStore:
                 type(e).__name__,
                 e,
             )
+
+    def _remove_old_keys(self) -> None:
+        def used(d: Path) -> float:
+            marker = d / "key.json"
+            return marker.stat().st_mtime if marker.exists() else d.stat().st_mtime
+
+        keys = sorted((d for d in self.directory.parent.iterdir() if d.is_dir()), key=used, reverse=True)
+        for old in keys[self.KEEP_KEYS :]:
+            logger.info("compilation cache: removing programs no start used lately: %s", old)
+            shutil.rmtree(old, ignore_errors=True)

@@ -5,20 +5,22 @@ ahead-of-time API (`aot_compile`: Dynamo's graph capture, AOTAutograd, the backe
 in the host's compilation cache (`compile_cache.ProgramStore`). An engine started again loads each
 program whole instead of tracing, lowering and compiling it: the warm-up of a second start reads files.
 
-Saving needs a backend whose executables serialize: SAVABLE_BACKENDS (torch_tpu's "tpu" and tpuray's
-"tpu-donate", whose executables torch_tpu pickles; Inductor on a CPU). With another backend ("eager")
-or the cache off, the programs are plain torch.compile'd functions that Dynamo dispatches by shape.
+Saved: the programs a warm-up builds (its padding inputs are the ones torch_tpu's passes may specialize
+on safely: runner.warmup_prefill), with the backends a real engine runs, SAVABLE_BACKENDS (torch_tpu's
+"tpu" and tpuray's "tpu-donate", whose executables torch_tpu pickles; Inductor on a CPU), on one chip
+(a tensor-parallel program names its process group inside the graph: not saved until a slice test loads
+one). Otherwise ("eager" and other debugging backends, tensor parallelism, the cache off) the programs are
+plain torch.compile'd functions that Dynamo dispatches by shape, as before.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,31 +37,24 @@ ASYNC_BACKENDS = ("tpu-donate",)  # whose compiler lowers and compiles in backgr
 Program = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _subclasses(cls: type) -> set[type]:
-    found: set[type] = set(cls.__subclasses__())
-    for sub in list(found):
-        found |= _subclasses(sub)
-    return found
-
-
 @contextlib.contextmanager
 def backend_code_shared() -> Iterator[None]:
     """While it lasts, a deep copy of a backend's compiled code (torch's `OutputCode`: torch_tpu's
     executables, Inductor's graphs) is the object itself. torch's loader deep-copies a loaded program's
     cache entry "in case it needs to be serialized again" (`deserialize_bundled_cache_entry`), which for
     torch_tpu serializes each executable and loads it onto the device a second time, held as long as the
-    program; a loaded program is never saved again here, so the copy shares it instead. Enter it on the
-    thread that loads (or starts the loading threads), with no other deep copy of such code under way."""
+    program; a loaded program is never saved again here, so the copy shares it instead. Process-wide
+    while it lasts: enter it where nothing else deep-copies such code (an engine's start)."""
     from torch._inductor.output_code import OutputCode
 
-    added = [c for c in _subclasses(OutputCode) if c not in copy._deepcopy_dispatch]  # type: ignore[attr-defined]
-    for c in added:
-        copy._deepcopy_dispatch[c] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+    if "__deepcopy__" in OutputCode.__dict__:  # torch's own now: leave it
+        yield
+        return
+    OutputCode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        for c in added:
-            copy._deepcopy_dispatch.pop(c, None)  # type: ignore[attr-defined]
+        del OutputCode.__deepcopy__  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -69,7 +64,8 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
     the program store saves the entry itself, and for torch_tpu each pickle serializes the executable (a
     second copy of every program on disk, and its time, at every first start). With `deferred`, the
     entries are appended there unprepared (preparing an entry waits for a compilation in the background:
-    the caller prepares them before saving)."""
+    the caller prepares them before saving). Process-wide while it lasts, as torch_tpu's own async saves
+    are: another thread's compilation meanwhile writes nothing into torch's cache either."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     except ImportError:  # another torch: its cache is written as before
@@ -81,10 +77,13 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
         return
 
     def prepare_only(key: str, entry: Any, remote: bool) -> None:
-        if deferred is None:
-            entry.pre_save()
-        else:
+        if deferred is not None:
             deferred.append(entry)
+            return
+        try:
+            entry.pre_save()
+        except Exception as e:  # noqa: BLE001 - torch's save logs and goes on too: the save fails later
+            logger.warning("compilation cache: cannot prepare a program for saving (%s)", e)
 
     AOTAutogradCache.save = staticmethod(prepare_only)  # type: ignore[method-assign]
     try:
@@ -95,34 +94,34 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
 
 class StepPrograms:
     """The prefill and decode programs of `prefill(packed, num_prompts)` and `decode(packed, context_len)`
-    (bound methods of the runner), compiled with the backend `backend_name`. `compiled` counts programs
-    built by the compiler, `loaded` those read from `store`."""
+    (bound methods of the runner's StepFunctions), compiled with the backend `backend_name`, saved under
+    `store_key` (None: not saved). `compiled` counts programs built by the compiler, `loaded` those read
+    from the store (`preloaded` of them by `preload`'s threads)."""
 
     def __init__(
         self,
         prefill: Program,
         decode: Program,
         backend_name: str,
-        store: ProgramStore | None,
+        store_key: Mapping[str, Any] | None,
         async_compile: bool = False,
     ):
-        self.store = store if backend_name in SAVABLE_BACKENDS else None
+        savable = store_key is not None and backend_name in SAVABLE_BACKENDS
+        self.store = ProgramStore.for_key(store_key) if savable and store_key is not None else None
         if async_compile and (backend_name not in ASYNC_BACKENDS or self.store is None):
             raise ValueError(
-                f"async_compile=True needs compile_backend in {ASYNC_BACKENDS} and the compilation cache on "
-                f"(TPURAY_COMPILE_CACHE not 'off'); got compile_backend={backend_name!r}, "
-                f"cache {'on' if store else 'off'}"
+                f"async_compile=True needs compile_backend in {ASYNC_BACKENDS}, one chip and the compilation "
+                f"cache on (TPURAY_COMPILE_CACHE not 'off'); got compile_backend={backend_name!r}, "
+                f"{'a saving store' if self.store else 'nothing saved'}"
             )
         self.async_compile = async_compile
         backend = lookup(backend_name, async_compile=async_compile)
-        self.compiled = 0
-        self.loaded = 0
+        self.compiled = self.loaded = self.preloaded = 0
         self._sources = {"prefill": prefill, "decode": decode}
         self._programs: dict[str, Program] = {}
         self._preloaded: dict[str, Any] = {}  # saved programs read by `preload`, not yet checked
-        self._unsaved_entries: dict[
-            str, tuple[Any, list[Any]]
-        ] = {}  # built by `build`, saved by `save_built`
+        self._unproven: set[str] = set()  # loaded programs not yet run once
+        self._unsaved: dict[str, tuple[Any, list[Any]]] = {}  # built by `build`, saved by `save_built`
 
         def counting(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
             self.compiled += 1
@@ -134,7 +133,8 @@ class StepPrograms:
             self._dynamo = {k: self._compiler(fn) for k, fn in self._sources.items()}
         # loaded executables freed while the device runtime lives: torch_tpu 0.2.0 crashes (SIGSEGV) when
         # the interpreter's last garbage collection frees them after its runtime is gone
-        atexit.register(StepPrograms._release, weakref.ref(self))
+        self._at_exit = functools.partial(StepPrograms._release, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     @staticmethod
     def _release(ref: weakref.ref[StepPrograms]) -> None:
@@ -144,8 +144,9 @@ class StepPrograms:
 
     def close(self) -> None:
         """Drop the compiled programs (at the interpreter's exit, or by their owner)."""
-        self._programs.clear()
-        self._dynamo.clear()
+        atexit.unregister(self._at_exit)
+        for table in (self._programs, self._dynamo, self._preloaded, self._unsaved):
+            table.clear()
         import gc
 
         gc.collect()
@@ -177,67 +178,85 @@ class StepPrograms:
             self._preloaded.update(zip(saved, pool.map(store.load, saved), strict=True))
 
     def build(self, kinds_and_args: list[tuple[str, tuple[Any, ...]]]) -> None:
-        """Build every program of `kinds_and_args` ("prefill" or "decode", and its inputs) before running
-        any: with async_compile, torch_tpu lowers and compiles each one in the background while the next
-        is traced. `save_built` then saves those compiled here (waiting for each)."""
+        """Build (load, or compile to save) every program of `kinds_and_args` ("prefill" or "decode", and
+        its warm-up inputs) before running any: with async_compile, torch_tpu lowers and compiles each one
+        in the background while the next is traced. `save_built` then saves those compiled here."""
         for kind, args in kinds_and_args:
             name = self.name(kind, args)
             if self.store is not None and name not in self._programs:
-                self._programs[name] = self._build(kind, name, args, defer_save=True)
+                self._programs[name] = self._load(kind, name, args) or self._compile(kind, name, args, True)
 
     def save_built(self) -> None:
-        assert self.store is not None or not self._unsaved_entries
-        for name, (program, entries) in self._unsaved_entries.items():
+        """Save the programs `build` compiled (each waits for its compilation first, with async_compile)."""
+        for name, (program, entries) in self._unsaved.items():
             for entry in entries:
                 entry.pre_save()
             if self.store is not None:
                 self.store.save(name, program)
-        self._unsaved_entries.clear()
+        self._unsaved.clear()
 
     def _run(self, kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.store is None:
             return self._dynamo[kind](*args)
         name = self.name(kind, args)
         program = self._programs.get(name)
-        if program is None:
-            program = self._programs[name] = self._build(kind, name, args)
-        return program(*args)
+        if program is None:  # outside a warm-up: kept in memory only (module docstring)
+            program = self._programs[name] = self._load(kind, name, args) or self._compile(kind, name, args)
+        if name not in self._unproven:
+            return program(*args)
+        self._unproven.discard(name)
+        try:
+            return program(*args)
+        except Exception as e:  # noqa: BLE001 - a saved program that cannot run here is compiled again
+            logger.warning("compilation cache: %s failed its first run (%s); compiling it again", name, e)
+            assert self.store is not None
+            self.store.path(name).unlink(missing_ok=True)
+            self.loaded -= 1
+            program = self._programs[name] = self._compile(kind, name, args)
+            return program(*args)
 
-    def _build(self, kind: str, name: str, args: tuple[Any, ...], defer_save: bool = False) -> Program:
-        """The program `name`: loaded from the store when it holds one whose guards accept these inputs,
-        else compiled ahead of time and saved. The runner's bucket picks the program, so its guards are
-        checked once here, not at every step."""
+    def _bind(self, kind: str, program: Any) -> Program:
+        """The program called as the source's bound method was; its guards checked once (the runner's
+        bucket picks the program, so not at every step)."""
+        program.disable_guard_check()
+        return functools.partial(program, self._sources[kind].__self__)  # type: ignore[attr-defined]
+
+    def _load(self, kind: str, name: str, args: tuple[Any, ...]) -> Program | None:
+        """The saved program `name` when the store holds one whose guards accept these inputs."""
         assert self.store is not None
-        source = self._sources[kind]
-        owner = source.__self__  # type: ignore[attr-defined]  # the runner: the program's `self`
+        owner = self._sources[kind].__self__  # type: ignore[attr-defined]  # the program's `self`
         if name in self._preloaded:
             program = self._preloaded.pop(name)
+            self.preloaded += program is not None
         else:
             with backend_code_shared():
                 program = self.store.load(name)
-        if program is not None and self._accepts(program, name, owner, args):
-            self.loaded += 1
-        else:
-            deferred: list[Any] | None = [] if defer_save else None
-            try:
-                with torch_cache_unwritten(deferred):
-                    program = self._compiler(source).aot_compile((args, {}))
-            except RuntimeError as e:  # the backend's program is not serializable: Dynamo dispatches
-                if "SerializableCallable" not in str(e):
-                    raise
-                return self._unsaved(e)[kind]
-            if deferred is None:
-                self.store.save(name, program)
-            else:
-                self._unsaved_entries[name] = (program, deferred)
-        program.disable_guard_check()
-        return functools.partial(program, owner)
+        if program is None or not self._accepts(program, name, owner, args):
+            return None
+        self.loaded += 1
+        self._unproven.add(name)
+        return self._bind(kind, program)
 
-    def _unsaved(self, error: Exception) -> dict[str, Program]:
+    def _compile(self, kind: str, name: str, args: tuple[Any, ...], save: bool = False) -> Program:
+        """The program `name` compiled ahead of time on `args`; with `save`, to be saved by `save_built`."""
+        deferred: list[Any] | None = [] if save else None
+        try:
+            with torch_cache_unwritten(deferred):
+                program = self._compiler(self._sources[kind]).aot_compile((args, {}))
+        except RuntimeError as e:  # the backend's program is not serializable: Dynamo dispatches
+            if "SerializableCallable" not in str(e):
+                raise
+            return self._in_memory(e)[kind]
+        if deferred is not None:
+            self._unsaved[name] = (program, deferred)
+        return self._bind(kind, program)
+
+    def _in_memory(self, error: Exception) -> dict[str, Program]:
         logger.warning(
             "compilation cache: this backend's programs cannot be saved (%s); compiling in memory", error
         )
-        self.store, self._programs = None, {}
+        self.compiled -= 1  # compiled again by Dynamo
+        self.store, self._programs, self._unsaved = None, {}, {}
         self._dynamo = {k: self._compiler(fn) for k, fn in self._sources.items()}
         return self._dynamo
 

@@ -8,6 +8,7 @@ a `StepResult`, other ranks None. Imports neither Ray nor the serving layer (a T
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from tpuray.constants import TPU_ACCELERATOR_TYPE_ENV
 from tpuray.serve.llm.engine import compile_cache
 from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 from tpuray.serve.llm.engine.embedded.logits import token_logprobs
@@ -67,7 +69,7 @@ class Launched:
     parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class StepFunctions:
     """The bodies of the two step programs, on an object of their own: what a compiled program reads (the
     model, the KV cache, `last_ids`), apart from the runner that owns the programs, since a saved program
@@ -96,6 +98,18 @@ class StepFunctions:
         ids = logits.argmax(dim=-1)
         self.last_ids[slots] = ids
         return logits, ids
+
+
+def _chip_kind(device: torch.device) -> str:
+    """The accelerator a program was compiled for: the host's TPU type and the device's own name."""
+    kind = os.environ.get(TPU_ACCELERATOR_TYPE_ENV, "")
+    get_name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    if callable(get_name):
+        try:
+            kind += f"/{get_name()}"
+        except (RuntimeError, AssertionError):  # a backend without device names
+            pass
+    return kind
 
 
 def _real_tpu(device: torch.device) -> bool:
@@ -170,16 +184,19 @@ class ModelRunner:
         self.model = ShardedLlama(
             path, rank, world_size, DTYPES[dtype], device, all_reduce, decode_attention=decode_attention
         )
-        self.kv_write: KVWrite = kv_write if kv_write != "auto" else ("dense" if real_tpu else "scatter")
-        """The decode batches' K/V writes: "scatter", or "dense" (for batches of DENSE_WRITE_MIN_ROWS or
-        more when chosen by "auto"; every batch when asked for)."""
-        self.dense_write_min_rows = DENSE_WRITE_MIN_ROWS if kv_write == "auto" else 1
         self.rank = rank
         self.device = self.model.device
         self.cache = self.model.new_kv_cache(max_num_seqs, max_model_len)
         last_ids = torch.zeros(self.cache.trash_slot + 1, dtype=torch.long, device=self.device)
-        self.steps = StepFunctions(self.model, self.cache, last_ids, self.kv_write, self.dense_write_min_rows)
+        chosen: KVWrite = kv_write if kv_write != "auto" else ("dense" if real_tpu else "scatter")
+        min_rows = DENSE_WRITE_MIN_ROWS if kv_write == "auto" else 1
+        self.steps = StepFunctions(self.model, self.cache, last_ids, chosen, min_rows)
         self.compiled = real_tpu if compile is None else compile
+        if not self.compiled and (load_workers != 1 or async_compile):
+            raise ValueError(
+                f"load_workers={load_workers!r} and async_compile={async_compile!r} apply to a compiled runner; "
+                f"this one runs eagerly (compile={compile!r} on {device!r}): leave them unset"
+            )
         padded = self.compiled or static_shapes
         if buckets is None:
             buckets = (
@@ -195,7 +212,13 @@ class ModelRunner:
             if real_tpu:  # XLA programs kept on the host's disk for the next start (compile_cache.py)
                 compile_cache.enable()
             self.backend = compile_backend or default_backend(self.device, world_size)
-            self._compile(self.backend, path, kv_write, dtype, async_compile)
+            self._compile(self.backend, path, kv_write, async_compile)
+
+    @property
+    def kv_write(self) -> KVWrite:
+        """The decode batches' K/V writes: "scatter", or "dense" (for batches of DENSE_WRITE_MIN_ROWS or
+        more when chosen by "auto"; every batch when asked for)."""
+        return self.steps.kv_write
 
     @property
     def compilations(self) -> int:
@@ -207,31 +230,32 @@ class ModelRunner:
         """Programs read whole from the host's compilation cache instead of compiled."""
         return self.programs.loaded if self.programs else 0
 
-    def _compile(self, backend_name: str, path: str, kv_write: str, dtype: str, async_compile: bool) -> None:
+    def _compile(self, backend_name: str, path: str, kv_write: str, async_compile: bool) -> None:
         from torch._dynamo import config as dynamo_config
 
         # one Dynamo cache entry per bucket (where Dynamo dispatches): raise its limits (default 8)
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * self.buckets.num_programs))
-        store = compile_cache.ProgramStore.for_key(self._program_key(backend_name, path, kv_write, dtype))
-        self.programs = StepPrograms(
-            self.steps.prefill, self.steps.decode, backend_name, store, async_compile
-        )
+        # a tensor-parallel program names its process group inside the graph: not saved (programs.py)
+        key = self._program_key(backend_name, path, kv_write) if self.model.world_size == 1 else None
+        self.programs = StepPrograms(self.steps.prefill, self.steps.decode, backend_name, key, async_compile)
         self._prefill, self._decode = self.programs.prefill, self.programs.decode
 
-    def _program_key(self, backend_name: str, path: str, kv_write: str, dtype: str) -> dict:
+    def _program_key(self, backend_name: str, path: str, kv_write: str) -> dict:
         """What the step programs depend on besides the weights' values: the code, the model's shape, the
-        runner's settings (compile_cache.ProgramStore adds the versions of Python, torch and torch_tpu)."""
+        runner's settings, the chip (compile_cache.ProgramStore adds the versions of Python, torch,
+        torch_tpu and libtpu)."""
         model_config = (
             (Path(path) / "config.json").read_text() if (Path(path) / "config.json").exists() else path
         )
         return {
             "code": compile_cache.source_digest(Path(__file__).parent),
             "model_config": model_config,
-            "dtype": dtype,
+            "dtype": str(self.model.dtype),
             "backend": backend_name,
             "device": str(self.device),
+            "chip": _chip_kind(self.device),
             "rank": self.rank,
             "world_size": self.model.world_size,
             "buckets": self.buckets,
