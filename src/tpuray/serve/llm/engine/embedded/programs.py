@@ -4,6 +4,7 @@ Each program (a prefill of T tokens, a decode of B rows over L positions) is bui
 ahead-of-time API (`aot_compile`: Dynamo's graph capture, AOTAutograd, the backend's compiler) and saved
 in the host's compilation cache (`compile_cache.ProgramStore`). An engine started again loads each
 program whole instead of tracing, lowering and compiling it: the warm-up of a second start reads files.
+(vLLM keeps its compiled model the same way, VLLM_USE_AOT_COMPILE, which vLLM-TorchTPU keys by chip.)
 
 Saved: the programs a warm-up builds (its padding inputs are the ones torch_tpu's passes may specialize
 on safely: runner.warmup_prefill), with the backends a real engine runs, SAVABLE_BACKENDS (torch_tpu's
