@@ -135,7 +135,7 @@ def autoscaler_round_after(ts: float) -> bool:
     return bool(raw) and json.loads(raw)["time"] > ts
 
 
-@ray.remote(num_cpus=0, resources={"TPU": 1})
+@ray.remote(num_cpus=1)
 class OnHost:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -146,11 +146,12 @@ def test_busy_host_keeps_its_slice_and_a_lost_host_takes_its_slice_down(
 ) -> None:
     spg = SlicePlacementGroup("2x2x2", "v4", timeout_s=180)
     (name,) = spg._slice_names
-    spg.shutdown()
     node_ids = autoscaling.autoscaled_slices()[name]["node_ids"]
-    # Worker 1 busy, worker 0 idle: the slice outlives idle_timeout_s (a few autoscaler rounds past it).
+    # Worker 1 busy (a CPU of its host taken while the reservation still holds the chips, so the slice is
+    # never idle in between), worker 0 idle: the slice outlives idle_timeout_s (a few rounds past it).
     busy = OnHost.options(label_selector={SLICE_NAME_LABEL: name, WORKER_ID_LABEL: "1"}).remote()
     assert ray.get(busy.node.remote(), timeout=60) == node_ids[1]
+    spg.shutdown()
     past_idle = time.time() + 2 * autoscaling.autoscale.idle_timeout_s  # type: ignore[union-attr]
     wait_for(lambda: autoscaler_round_after(past_idle))
     assert list(check_whole(autoscaling)) == [name]
