@@ -107,8 +107,8 @@ class StepPrograms:
         store_key: Mapping[str, Any] | None,
         async_compile: bool = False,
     ):
-        savable = store_key is not None and backend_name in SAVABLE_BACKENDS
-        self.store = ProgramStore.for_key(store_key) if savable and store_key is not None else None
+        savable = backend_name in SAVABLE_BACKENDS
+        self.store = ProgramStore.for_key(store_key) if store_key is not None and savable else None
         if async_compile and (backend_name not in ASYNC_BACKENDS or self.store is None):
             raise ValueError(
                 f"async_compile=True needs compile_backend in {ASYNC_BACKENDS}, one chip and the compilation "

@@ -272,12 +272,11 @@ class ModelRunner:
         start, before, trash = time.perf_counter(), self.compilations, self.cache.trash_slot
         b = self.buckets
         runs: list[tuple[str, tuple]] = [
-            ("prefill", (p.packed.to(self.device), p.num_prompts))
-            for p in (warmup_prefill(T, b, trash) for T in b.tokens)
+            ("prefill", self._prefill_args(warmup_prefill(T, b, trash))) for T in b.tokens
         ]
         for B in b.batch:
             d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
-            runs += [("decode", (d.packed.to(self.device), L)) for L in b.context]
+            runs += [("decode", self._decode_args(d, L)) for L in b.context]
         if self.programs is not None:
             if self.load_workers > 1:
                 self.programs.preload(
@@ -291,13 +290,20 @@ class ModelRunner:
         return self.compilations - before
 
     # -- steps --------------------------------------------------------------------------------------------
+    def _prefill_args(self, p: PrefillPack) -> tuple[torch.Tensor, int]:
+        """A pack's program inputs: its integers go to the device in one copy (step_plan.py), the same way
+        at warm-up and serving, so both share their compiled programs."""
+        return p.packed.to(self.device), p.num_prompts
+
+    def _decode_args(self, d: DecodeBatch, context_len: int) -> tuple[torch.Tensor, int]:
+        return d.packed.to(self.device), context_len
+
     def _run_prefill(self, p: PrefillPack) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, greedy ids) of a pack: its inputs go to the device in one copy (step_plan.py), the
-        same way at warm-up and serving, so both share their compiled programs."""
-        return self._prefill(p.packed.to(self.device), p.num_prompts)
+        """(logits, greedy ids) of a pack."""
+        return self._prefill(*self._prefill_args(p))
 
     def _run_decode(self, d: DecodeBatch, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._decode(d.packed.to(self.device), context_len)
+        return self._decode(*self._decode_args(d, context_len))
 
     def _collect(self, rows, out, greedy, logits, ids) -> None:
         n = len(rows)
