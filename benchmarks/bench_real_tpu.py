@@ -146,6 +146,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         kv_cache_bytes=runner.cache.nbytes,
         load_s=load_s,
         warmup_s=runner.warmup_s,
+        warmup_phases_s=runner.warmup_phases,
         programs=built,
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,

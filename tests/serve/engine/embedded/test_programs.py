@@ -80,6 +80,8 @@ def test_programs_of_a_backend_that_cannot_save_them_stay_in_memory(tiny_model_d
     assert runner.programs is not None and runner.programs.store is None
     assert runner.warmup() == runner.buckets.num_programs and runner.loaded_programs == 0
     assert not (tmp_path / "cache").exists()
+    assert set(runner.warmup_phases) == {"read", "build", "save", "run"}
+    assert sum(runner.warmup_phases.values()) == pytest.approx(runner.warmup_s, rel=0.01)
     runner.programs.close()  # the programs dropped, and not again at exit
     assert runner.programs.compiled == runner.buckets.num_programs
 

@@ -206,6 +206,9 @@ class ModelRunner:
         self.backend: str | None = None  # the torch.compile backend, where compiled
         self.programs: StepPrograms | None = None  # the compiled programs (programs.py), where compiled
         self.warmup_s = 0.0
+        self.warmup_phases: dict[str, float] = {}
+        """Seconds of the last warm-up's phases: "read" (saved programs read by `load_workers` threads),
+        "build" (each program loaded or compiled), "save", "run" (each program's first run)."""
         self._prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.steps.prefill
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.steps.decode
         if self.compiled:
@@ -277,16 +280,20 @@ class ModelRunner:
         for B in b.batch:
             d = decode_batches([(trash, [0], 0, None)] * B, list(range(B)), b, trash)[0]
             runs += [("decode", self._decode_args(d, L)) for L in b.context]
+        phases, mark = {}, start
         if self.programs is not None:
+            programs = self.programs
             if self.load_workers > 1:
-                self.programs.preload(
-                    [self.programs.name(kind, args) for kind, args in runs], self.load_workers
-                )
-            self.programs.build(runs)  # all built before any runs: async_compile overlaps them
-            self.programs.save_built()
+                programs.preload([programs.name(kind, args) for kind, args in runs], self.load_workers)
+            phases["read"], mark = time.perf_counter() - mark, time.perf_counter()
+            programs.build(runs)  # all built before any runs: async_compile overlaps them
+            phases["build"], mark = time.perf_counter() - mark, time.perf_counter()
+            programs.save_built()
+            phases["save"], mark = time.perf_counter() - mark, time.perf_counter()
         for kind, args in runs:
             (self._prefill if kind == "prefill" else self._decode)(*args)[1].cpu()
-        self.warmup_s = time.perf_counter() - start
+        phases["run"] = time.perf_counter() - mark
+        self.warmup_s, self.warmup_phases = time.perf_counter() - start, phases
         return self.compilations - before
 
     # -- steps --------------------------------------------------------------------------------------------
