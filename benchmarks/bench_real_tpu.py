@@ -7,6 +7,7 @@ alone: see docs/real-tpu.md for the set-up).
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm-weights   # RL: update_weights into vLLM
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py weights    # RL: updates, sleep / wake-up
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py h2d --dims 1b-hd128   # host-to-chip paths
     python3 benchmarks/bench_real_tpu.py engine --small --device cpu   # the script itself, on a CPU
 
 Prints one JSON line per measurement (and writes them to --out). Figures: benchmarks/README.md.
@@ -20,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _tpu_h2d as h2d
 import torch
 from _tpu_engine import (
     decode_rate,
@@ -409,7 +411,7 @@ def handover(weights, take, level: int, live) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "what", choices=["engine", "prefill", "vllm", "vllm-weights", "train", "kv-write", "weights"]
+        "what", choices=["engine", "prefill", "vllm", "vllm-weights", "train", "kv-write", "weights", "h2d"]
     )
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
@@ -432,7 +434,7 @@ def main() -> None:
     ap.add_argument("--parts", default="matmul,seed,gpt-eager,gpt-compiled", help="train: what to measure")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     ap.add_argument(
-        "--model-dir", default=None, help="engine, vllm: write the checkpoint here once, reuse it"
+        "--model-dir", default=None, help="engine, vllm, h2d: write the checkpoint here once, reuse it"
     )
     ap.add_argument("--dims", default="1b", choices=[k for k in ENGINE_DIMS if k != "small"])
     ap.add_argument("--start-only", action="store_true", help="engine, vllm: measure the start, nothing else")
@@ -448,11 +450,14 @@ def main() -> None:
         help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
+    h2d.add_options(ap)
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
     unknown = set(args.decode_step.split(",")) - set(DECODE_STEPS)
     if unknown:
         ap.error(f"--decode-step {', '.join(sorted(unknown))} is not valid; valid: {', '.join(DECODE_STEPS)}")
+    if args.what == "h2d" and h2d.starts_settings():  # a process per setting holds the chip, not this one
+        return h2d.run_settings(args, report, checkpoint)
     if args.device == "tpu":
         from tpuray.runtime import activate
 
@@ -465,6 +470,7 @@ def main() -> None:
         "train": lambda a: bench_train(a, report),
         "kv-write": bench_kv_write,
         "weights": bench_weights,
+        "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
     }
     commands[args.what](args)
 
