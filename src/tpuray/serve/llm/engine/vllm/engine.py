@@ -72,8 +72,13 @@ def _ray_address() -> str | None:
 class VLLMEngine:
     """One model's vLLM engine (AsyncLLM), and the slice its workers run on."""
 
-    def __init__(self, config: LLMConfig, *, reservation_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, config: LLMConfig, *, reservation_timeout_s: float = 120.0, record_kv_budget: bool | None = None
+    ) -> None:
+        """`record_kv_budget`: size vLLM's KV cache alike at every start (kv_budget.py); None: where vLLM
+        compiles the model (not enforce_eager) on a device (not a CPU), with the compilation cache on."""
         self.config = config
+        self.record_kv_budget = record_kv_budget
         self.spg: Any = None
         self.client: Any = None
         self.emulated = False
@@ -130,7 +135,6 @@ class VLLMEngine:
         from vllm import envs as vllm_envs
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.executor.abstract import Executor
 
         from tpuray.serve.llm.engine.vllm.inprocess import in_process_async_llm
 
@@ -166,7 +170,7 @@ class VLLMEngine:
         make = in_process_async_llm if self.in_process else AsyncLLM
         self.client = make(
             vllm_config=vllm_config,
-            executor_class=Executor.get_class(vllm_config),
+            executor_class=self._executor_class(vllm_config, current_platform.is_cpu()),
             log_stats=not self.args.disable_log_stats,
             log_requests=self.args.enable_log_requests,
         )
@@ -174,6 +178,22 @@ class VLLMEngine:
         # an emulated slice is said where operators look (a warning reaches the replica's log by default)
         log = logger.warning if self.emulated else logger.info
         log("%s: vLLM engine up: %s", cfg.model_id, self.where())
+
+    def _executor_class(self, vllm_config: Any, on_cpu: bool) -> type[Any]:
+        """vLLM's executor for this config, as `RecordedKVBudget` where the KV cache is recorded."""
+        from vllm.v1.executor.abstract import Executor
+
+        from tpuray.serve.llm.engine.vllm import kv_budget
+
+        compiled = not vllm_config.model_config.enforce_eager
+        record = not on_cpu and compiled if self.record_kv_budget is None else self.record_kv_budget
+        record = record and compile_cache.cache_dir() is not None
+        user_key = kv_budget.sized_by_user(self.engine_args)
+        if record and user_key is not None:
+            logger.info("%s: vLLM's KV cache sized by engine_kwargs[%r]", self.config.model_id, user_key)
+        elif record:
+            return kv_budget.RecordedKVBudget
+        return Executor.get_class(vllm_config)
 
     @staticmethod
     def _clear_platform_cache() -> None:
