@@ -44,6 +44,24 @@ def cache_files() -> dict[str, int]:
     return {"cache_files": len(files), "cache_bytes": sum(p.stat().st_size for p in files)}
 
 
+def compile_stats(engine: Any) -> dict[str, Any]:
+    """Where a start's compile time went: the KV cache's block count (part of vLLM-TorchTPU's compile key),
+    vLLM's compilation counters (AOT artifacts compiled or loaded, graphs compiled), torch's AOTAutograd
+    cache counters and the seconds of Dynamo's phases (tracing, the backend: lowering and XLA together)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    from vllm.compilation.counter import compilation_counter as c
+
+    phases = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "build_guards")
+    return {
+        "kv_blocks": engine.vllm_config.cache_config.num_gpu_blocks,
+        "vllm_aot_compiles": c.num_aot_compiles,
+        "vllm_aot_loaded": c.num_aot_artifacts_loaded,
+        "vllm_graphs_compiled": c.num_cache_entries_updated,
+        "aot_autograd": dict(counters["aot_autograd"]),
+        "dynamo_s": {k: round(sum(compilation_time_metrics.get(k, [])), 2) for k in phases},
+    }
+
+
 def add_tokenizer(path: Path) -> None:
     """vLLM's OpenAI layer needs a tokenizer; the bench sends token ids (the model's vocab is larger)."""
     from tpuray.models import build_tokenizer
@@ -69,7 +87,8 @@ def start_vllm(path: Path, max_model_len: int, max_num_seqs: int) -> tuple[Any, 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
     engine = VLLMEngine(vllm_config(path, max_model_len, max_num_seqs))
-    return engine, {"start_s": time.perf_counter() - t0, "where": engine.where(), **xla_programs()}
+    took = time.perf_counter() - t0
+    return engine, {"start_s": took, "where": engine.where(), **xla_programs(), **compile_stats(engine)}
 
 
 def _params(max_tokens: int, temperature: float = 0.0) -> Any:
