@@ -8,6 +8,7 @@ alone: see docs/real-tpu.md for the set-up).
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py weights    # RL: updates, sleep / wake-up
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py h2d --dims 1b-hd128   # host-to-chip paths
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py scan-probe --dims 1b-hd128  # layers as a loop
     python3 benchmarks/bench_real_tpu.py engine --small --device cpu   # the script itself, on a CPU
 
 Prints one JSON line per measurement (and writes them to --out). Figures: benchmarks/README.md.
@@ -34,6 +35,7 @@ from _tpu_engine import (
     timed,
     write_llama,
 )
+from _tpu_scan import scan_probe
 from _tpu_train import bench_train
 from _tpu_vllm import add_tokenizer, cache_files, start_vllm, vllm_figures, vllm_weights, xla_programs
 
@@ -411,7 +413,18 @@ def handover(weights, take, level: int, live) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "what", choices=["engine", "prefill", "vllm", "vllm-weights", "train", "kv-write", "weights", "h2d"]
+        "what",
+        choices=[
+            "engine",
+            "prefill",
+            "vllm",
+            "vllm-weights",
+            "train",
+            "kv-write",
+            "weights",
+            "h2d",
+            "scan-probe",
+        ],
     )
     ap.add_argument("--device", default="tpu", help="tpu (default) or cpu (checks the script only)")
     ap.add_argument("--quick", action="store_true", help="engine: compile only the measured shapes")
@@ -471,6 +484,7 @@ def main() -> None:
         "kv-write": bench_kv_write,
         "weights": bench_weights,
         "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
+        "scan-probe": lambda a: scan_probe(a, report, checkpoint),
     }
     commands[args.what](args)
 

@@ -1,0 +1,228 @@
+"""The decoder's layers as one loop (torch's `scan`) against the engine's unrolled layers, for
+bench_real_tpu.py (`scan-probe`): what each costs to compile, and to run, on the chip.
+
+Why: the embedded engine's first start on the v5e spends ~18 s per step program (372 s for 19), most of
+it in torch_tpu lowering the FX graph (it traces by running every op) and XLA compiling it, and a second
+start ~1.2 s loading each saved executable (~29 MB). Both grow with the ops in a program, and the 1.1B
+model's 16 layers repeat one body: written as one `torch.ops.higher_order.scan` over the layers' stacked
+weights (torch_tpu 0.2.0 lowers it to a loop, `_internal/compile/scan.py`), a program holds the body
+once. What it may cost: the loop's slicing of the stacked weights and caches at every layer, and the
+K/V writes, which leave the loop (its body must not mutate what it reads) and go into the stacked cache
+in one write over all layers after it.
+
+For a decode of batch 1 and 32 over a context of `--max-model-len` and a 512-token prefill, each way
+compiled with the engine's backend (tpu-donate on a TPU): the first call's seconds (trace, lower,
+compile, run), the median step time, and whether the two ways agree (greedy ids, logits, the K/V rows
+written). Decode batch 32 writes densely in both ways (the engine's TPU choice), batch 1 scatters.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from _tpu_engine import sync
+from torch._higher_order_ops.scan import scan
+
+from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
+from tpuray.serve.llm.engine.embedded.model import ShardedLlama, prefill_mask
+
+
+class ScanLlama:
+    """ShardedLlama's math (one chip) with its layers in one scan: the layers' weights stacked [L, ...],
+    the KV cache one tensor per K and V, [L, slots + 1, max_model_len, kv_heads, head_dim]."""
+
+    def __init__(self, model: ShardedLlama, num_slots: int, max_model_len: int):
+        self.m = model
+        self.w = {k: torch.stack([layer[k] for layer in model.layers]) for k in model.layers[0]}
+        shape = (model.num_layers, num_slots + 1, max_model_len, model.local_kv_heads, model.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+    def _layer(self, h: torch.Tensor, w: dict, cos, sin, attend) -> tuple[torch.Tensor, Any]:
+        """One decoder layer (ShardedLlama._layers' body); `attend(q, k, v)` -> (output, rows to store)."""
+        m = self.m
+        B, T, _ = h.shape
+        H, KV, D = m.local_heads, m.local_kv_heads, m.head_dim
+        qkv = m._rms(h, w["in_norm"]) @ w["qkv"].T
+        if "qkv_bias" in w:
+            qkv = qkv + w["qkv_bias"]
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q = m._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
+        k = m._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
+        attn, rows = attend(q, k, v.view(B, T, KV, D).transpose(1, 2))
+        h = h + attn.transpose(1, 2).reshape(B, T, H * D) @ w["o"].T
+        gate, up = (m._rms(h, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
+        return h + (torch.nn.functional.silu(gate) * up) @ w["down"].T, rows
+
+    def decode(self, tokens, positions, slots, context_len: int, dense: bool) -> torch.Tensor:
+        m = self.m
+        cos, sin = m._rope_tables(positions[:, None])
+        cos, sin = cos[:, None], sin[:, None]
+        key_pos = torch.arange(context_len, device=positions.device)
+        mask = (key_pos[None, :] <= positions[:, None])[:, None, None]
+        here = (key_pos[None, :] == positions[:, None])[:, None, :, None]  # [B, 1, L, 1]: the new token
+
+        def body(h, xs):
+            w, kc, vc = xs
+
+            def attend(q, k, v):  # the cache's rows with this token's K/V in its place (not yet written)
+                keys = torch.where(here, k, kc[slots, :context_len].transpose(1, 2))
+                values = torch.where(here, v, vc[slots, :context_len].transpose(1, 2))
+                return m._matmul_attention(q, keys, values, mask), (k[:, :, 0], v[:, :, 0])
+
+            h, rows = self._layer(h, w, cos, sin, attend)
+            return h, rows
+
+        h, (ks, vs) = scan(body, m.embed[tokens][:, None], (self.w, self.k, self.v))
+        self._store(slots, positions, ks, vs, context_len if dense else None)
+        return m._logits(h[:, 0])
+
+    def prefill(self, tokens, positions, segments, slots, last) -> torch.Tensor:
+        m = self.m
+        cos, sin = m._rope_tables(positions)
+        mask = prefill_mask(positions, segments)
+
+        def body(h, w):
+            def attend(q, k, v):
+                return m._attention(q, k, v, mask), (k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+            return self._layer(h, w, cos, sin, attend)
+
+        h, (ks, vs) = scan(body, m.embed[tokens][None], self.w)
+        self._store(slots, positions, ks, vs, None)
+        return m._logits(h[0][last])
+
+    def _store(self, slots, positions, ks, vs, dense_length: int | None) -> None:
+        """Every layer's rows [L, N, kv_heads, head_dim] into the stacked cache in one write: a scatter,
+        or (`dense_length`) positions [0, length) of every slot rewritten, rows placed by a one-hot
+        matmul (kv_cache.KVCache.dense_writer, over all layers at once)."""
+        if dense_length is None:
+            self.k[:, slots, positions] = ks
+            self.v[:, slots, positions] = vs
+            return
+        S, n, dev = self.k.shape[1], dense_length, slots.device
+        hit = (torch.arange(S, device=dev)[:, None, None] == slots) & (
+            torch.arange(n, device=dev)[None, :, None] == positions
+        )  # [S, n, N]
+        written = hit.any(-1)[None, ..., None, None]
+        onehot = hit.reshape(S * n, -1)
+        for cache, x in ((self.k, ks), (self.v, vs)):
+            rows = (onehot.to(x.dtype) @ x.reshape(x.shape[0], x.shape[1], -1)).view(
+                x.shape[0], S, n, *x.shape[2:]
+            )
+            cache[:, :, :n] = torch.where(written, rows, cache[:, :, :n])
+
+
+def _compiled(fn, backend: Any):
+    if backend is None:
+        return fn
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _first_and_median(fn, steps: int) -> tuple[float, float, Any]:
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return first, statistics.median(times) * 1e3, out
+
+
+def probe(path, max_model_len: int, steps: int, device: str, backend: Any) -> list[dict]:
+    """Rows of `scan-probe`: one per step shape, unrolled against scanned."""
+    slots_n = 32
+    model = ShardedLlama(path, dtype=torch.bfloat16, device=device, decode_attention="matmul")
+    cache = KVCache(
+        model.num_layers,
+        slots_n,
+        model.local_kv_heads,
+        max_model_len,
+        model.head_dim,
+        model.dtype,
+        model.device,
+    )
+    scanned = ScanLlama(model, slots_n, max_model_len)
+    dev = model.device
+    rows = []
+    for batch, dense in ((1, False), (32, True)):
+        tokens = torch.arange(3, 3 + batch, device=dev)
+        positions = torch.full((batch,), 7, device=dev)
+        slots = torch.arange(batch, device=dev)
+        context = min(256, max_model_len)
+        unrolled = _compiled(
+            lambda t=tokens, p=positions, s=slots, d=dense, c=context: model.decode(
+                t, p, s, cache, c, dense_write=d
+            ),
+            backend,
+        )
+        looped = _compiled(
+            lambda t=tokens, p=positions, s=slots, d=dense, c=context: scanned.decode(t, p, s, c, d), backend
+        )
+        rows.append(
+            _compare(
+                f"decode-b{batch}-ctx{context}", unrolled, looped, steps, cache, scanned, slots, positions
+            )
+        )
+    T = min(512, max_model_len)
+    tokens = torch.arange(3, 3 + T, device=dev) % model.vocab_size
+    positions = torch.arange(T, device=dev)
+    segments = torch.zeros(T, dtype=torch.long, device=dev)
+    slots = torch.full((T,), slots_n - 1, device=dev)
+    last = torch.tensor([T - 1], device=dev)
+    unrolled = _compiled(lambda: model.prefill(tokens, positions, segments, slots, last, cache), backend)
+    looped = _compiled(lambda: scanned.prefill(tokens, positions, segments, slots, last), backend)
+    rows.append(_compare(f"prefill-{T}", unrolled, looped, steps, cache, scanned, slots[-1:], positions[-1:]))
+    return rows
+
+
+def _compare(name, unrolled, looped, steps, cache, scanned, slots, positions) -> dict:
+    """One shape's row; an error (either way failing to compile or run) is the row's figure."""
+    try:
+        u_first, u_ms, u_logits = _first_and_median(unrolled, steps)
+    except Exception as e:  # noqa: BLE001 - the exact error is the figure
+        return dict(shape=name, unrolled_error=f"{type(e).__name__}: {e}"[:600])
+    try:
+        s_first, s_ms, s_logits = _first_and_median(looped, steps)
+    except Exception as e:  # noqa: BLE001
+        return dict(
+            shape=name,
+            unrolled_first_call_s=u_first,
+            unrolled_ms=u_ms,
+            scan_error=f"{type(e).__name__}: {e}"[:600],
+        )
+    u_logits, s_logits = u_logits.float().cpu(), s_logits.float().cpu()
+    k_rows = torch.stack([cache.k[i][slots, positions] for i in range(len(cache.k))]).float().cpu()
+    return dict(
+        shape=name,
+        unrolled_first_call_s=u_first,
+        scan_first_call_s=s_first,
+        first_call_ratio=s_first / u_first,
+        unrolled_ms=u_ms,
+        scan_ms=s_ms,
+        step_ratio=s_ms / u_ms,
+        same_ids=bool(torch.equal(u_logits.argmax(-1), s_logits.argmax(-1))),
+        logits_max_diff=float((u_logits - s_logits).abs().max()),
+        k_rows_max_diff=float((k_rows - scanned.k[:, slots, positions].float().cpu()).abs().max()),
+    )
+
+
+def scan_probe(args, report: Any, checkpoint: Any) -> None:
+    """bench_real_tpu.py `scan-probe`: the rows of `probe`, compiled with the first --compile-backend (on a
+    CPU: eager, unless another backend is named)."""
+    from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+
+    path, _ = checkpoint(args)
+    name = args.compile_backend.split(",")[0]
+    backend = lookup(name) if args.device == "tpu" or name != "tpu-donate" else None
+    for row in probe(path, args.max_model_len, args.steps, args.device, backend):
+        report("scan_probe", backend=name if backend else "eager", **row)
