@@ -98,7 +98,6 @@ def test_the_first_start_records_its_budget_and_a_second_start_sizes_its_kv_cach
     assert start(model_dir) == blocks
     assert json.loads(path.read_text()) == record
     unrecorded = start(model_dir, record=False)  # vLLM's own sizing: all that was measured
-    print(f"blocks: recorded budget {blocks}, vLLM's own {unrecorded}")
     assert blocks < unrecorded
 
 
