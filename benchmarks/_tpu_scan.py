@@ -14,12 +14,18 @@ For a decode of batch 1 and 32 over a context of `--max-model-len` and a 512-tok
 compiled with the engine's backend (tpu-donate on a TPU): the first call's seconds (trace, lower,
 compile, run), the median step time, and whether the two ways agree (greedy ids, logits, the K/V rows
 written). Decode batch 32 writes densely in both ways (the engine's TPU choice), batch 1 scatters.
+With torch_tpu, a third way: the unrolled step lowered without the MLIR location tracebacks torch_tpu
+captures for every op of a compiled graph by default (`export.enable_tracebacks(False)` around its
+first call; debugging information only), a cost the engine's programs pay today.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,16 +122,18 @@ class ScanLlama:
             cache[:, :, :n] = torch.where(written, rows, cache[:, :, :n])
 
 
-def _compiled(fn, backend: Any):
-    if backend is None:
+def _compiled(fn, make_backend: Callable[[], Any] | None):
+    """`fn` compiled with a backend of its own (a fresh one: Dynamo compiles it anew), or eager."""
+    if make_backend is None:
         return fn
-    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+    return torch.compile(fn, backend=make_backend(), dynamic=False, fullgraph=True)
 
 
-def _first_and_median(fn, steps: int) -> tuple[float, float, Any]:
+def _first_and_median(fn, steps: int, first_context: Any) -> tuple[float, float, Any]:
     sync()
     t = time.perf_counter()
-    out = fn()
+    with first_context():
+        out = fn()
     sync()
     first = time.perf_counter() - t
     times = []
@@ -138,82 +146,91 @@ def _first_and_median(fn, steps: int) -> tuple[float, float, Any]:
     return first, statistics.median(times) * 1e3, out
 
 
-def probe(path, max_model_len: int, steps: int, device: str, backend: Any) -> list[dict]:
-    """Rows of `scan-probe`: one per step shape, unrolled against scanned."""
+def _without_tracebacks() -> Any:
+    """torch_tpu's lowering without its MLIR location tracebacks (captured per op in compiled mode by
+    default); None where torch_tpu is absent."""
+    try:
+        from torch_tpu._internal.export.export import enable_tracebacks
+    except ImportError:
+        return None
+    return functools.partial(enable_tracebacks, False)
+
+
+def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) -> list[dict]:
+    """Rows of `scan-probe`: one per step shape, each way against the unrolled one."""
     slots_n = 32
     model = ShardedLlama(path, dtype=torch.bfloat16, device=device, decode_attention="matmul")
-    cache = KVCache(
-        model.num_layers,
-        slots_n,
-        model.local_kv_heads,
-        max_model_len,
-        model.head_dim,
-        model.dtype,
-        model.device,
-    )
+    L, KV, D = model.num_layers, model.local_kv_heads, model.head_dim
+    cache = KVCache(L, slots_n, KV, max_model_len, D, model.dtype, model.device)
     scanned = ScanLlama(model, slots_n, max_model_len)
-    dev = model.device
-    rows = []
+    dev, rows = model.device, []
     for batch, dense in ((1, False), (32, True)):
         tokens = torch.arange(3, 3 + batch, device=dev)
         positions = torch.full((batch,), 7, device=dev)
         slots = torch.arange(batch, device=dev)
         context = min(256, max_model_len)
-        unrolled = _compiled(
-            lambda t=tokens, p=positions, s=slots, d=dense, c=context: model.decode(
-                t, p, s, cache, c, dense_write=d
-            ),
-            backend,
-        )
-        looped = _compiled(
-            lambda t=tokens, p=positions, s=slots, d=dense, c=context: scanned.decode(t, p, s, c, d), backend
-        )
-        rows.append(
-            _compare(
-                f"decode-b{batch}-ctx{context}", unrolled, looped, steps, cache, scanned, slots, positions
-            )
-        )
+
+        def unrolled(t=tokens, p=positions, s=slots, d=dense, c=context):
+            return model.decode(t, p, s, cache, c, dense_write=d)
+
+        def looped(t=tokens, p=positions, s=slots, d=dense, c=context):
+            return scanned.decode(t, p, s, c, d)
+
+        ways = _ways(unrolled, looped, make_backend)
+        rows.append(_compare(f"decode-b{batch}-ctx{context}", ways, steps, cache, scanned, slots, positions))
     T = min(512, max_model_len)
     tokens = torch.arange(3, 3 + T, device=dev) % model.vocab_size
     positions = torch.arange(T, device=dev)
     segments = torch.zeros(T, dtype=torch.long, device=dev)
     slots = torch.full((T,), slots_n - 1, device=dev)
     last = torch.tensor([T - 1], device=dev)
-    unrolled = _compiled(lambda: model.prefill(tokens, positions, segments, slots, last, cache), backend)
-    looped = _compiled(lambda: scanned.prefill(tokens, positions, segments, slots, last), backend)
-    rows.append(_compare(f"prefill-{T}", unrolled, looped, steps, cache, scanned, slots[-1:], positions[-1:]))
+    ways = _ways(
+        lambda: model.prefill(tokens, positions, segments, slots, last, cache),
+        lambda: scanned.prefill(tokens, positions, segments, slots, last),
+        make_backend,
+    )
+    rows.append(_compare(f"prefill-{T}", ways, steps, cache, scanned, slots[-1:], positions[-1:]))
     return rows
 
 
-def _compare(name, unrolled, looped, steps, cache, scanned, slots, positions) -> dict:
-    """One shape's row; an error (either way failing to compile or run) is the row's figure."""
-    try:
-        u_first, u_ms, u_logits = _first_and_median(unrolled, steps)
-    except Exception as e:  # noqa: BLE001 - the exact error is the figure
-        return dict(shape=name, unrolled_error=f"{type(e).__name__}: {e}"[:600])
-    try:
-        s_first, s_ms, s_logits = _first_and_median(looped, steps)
-    except Exception as e:  # noqa: BLE001
-        return dict(
-            shape=name,
-            unrolled_first_call_s=u_first,
-            unrolled_ms=u_ms,
-            scan_error=f"{type(e).__name__}: {e}"[:600],
+def _ways(unrolled, looped, make_backend) -> dict[str, tuple[Any, Any]]:
+    """Each way's (compiled step, context of its first call): unrolled, scan and, with torch_tpu, unrolled
+    lowered without MLIR tracebacks."""
+    ways = {
+        "unrolled": (_compiled(unrolled, make_backend), contextlib.nullcontext),
+        "scan": (_compiled(looped, make_backend), contextlib.nullcontext),
+    }
+    quiet = _without_tracebacks()
+    if quiet is not None and make_backend is not None:
+        ways["unrolled_no_tracebacks"] = (_compiled(unrolled, make_backend), quiet)
+    return ways
+
+
+def _compare(name, ways, steps, cache, scanned, slots, positions) -> dict:
+    """One shape's row: each way's first call and step time, the scan's agreement with the unrolled way
+    (greedy ids, logits, K/V rows written); an error (a way failing to compile or run) is its figure."""
+    row: dict[str, Any] = {"shape": name}
+    logits = {}
+    for way, (fn, first_context) in ways.items():
+        try:
+            first, ms, out = _first_and_median(fn, steps, first_context)
+        except Exception as e:  # noqa: BLE001 - the exact error is the figure
+            row[f"{way}_error"] = f"{type(e).__name__}: {e}"[:600]
+            continue
+        row |= {f"{way}_first_call_s": first, f"{way}_ms": ms}
+        logits[way] = out.float().cpu()
+        if way != "unrolled" and "unrolled" in logits:
+            row[f"{way}_first_call_ratio"] = first / row["unrolled_first_call_s"]
+            row[f"{way}_step_ratio"] = ms / row["unrolled_ms"]
+    if "unrolled" in logits and "scan" in logits:
+        u, s = logits["unrolled"], logits["scan"]
+        k_rows = torch.stack([cache.k[i][slots, positions] for i in range(len(cache.k))]).float().cpu()
+        row |= dict(
+            same_ids=bool(torch.equal(u.argmax(-1), s.argmax(-1))),
+            logits_max_diff=float((u - s).abs().max()),
+            k_rows_max_diff=float((k_rows - scanned.k[:, slots, positions].float().cpu()).abs().max()),
         )
-    u_logits, s_logits = u_logits.float().cpu(), s_logits.float().cpu()
-    k_rows = torch.stack([cache.k[i][slots, positions] for i in range(len(cache.k))]).float().cpu()
-    return dict(
-        shape=name,
-        unrolled_first_call_s=u_first,
-        scan_first_call_s=s_first,
-        first_call_ratio=s_first / u_first,
-        unrolled_ms=u_ms,
-        scan_ms=s_ms,
-        step_ratio=s_ms / u_ms,
-        same_ids=bool(torch.equal(u_logits.argmax(-1), s_logits.argmax(-1))),
-        logits_max_diff=float((u_logits - s_logits).abs().max()),
-        k_rows_max_diff=float((k_rows - scanned.k[:, slots, positions].float().cpu()).abs().max()),
-    )
+    return row
 
 
 def scan_probe(args, report: Any, checkpoint: Any) -> None:
@@ -223,6 +240,6 @@ def scan_probe(args, report: Any, checkpoint: Any) -> None:
 
     path, _ = checkpoint(args)
     name = args.compile_backend.split(",")[0]
-    backend = lookup(name) if args.device == "tpu" or name != "tpu-donate" else None
-    for row in probe(path, args.max_model_len, args.steps, args.device, backend):
-        report("scan_probe", backend=name if backend else "eager", **row)
+    make = functools.partial(lookup, name) if args.device == "tpu" or name != "tpu-donate" else None
+    for row in probe(path, args.max_model_len, args.steps, args.device, make):
+        report("scan_probe", backend=name if make else "eager", **row)
