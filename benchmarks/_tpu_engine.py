@@ -296,3 +296,30 @@ def prefill_split(runner, prompt_len: int, steps: int) -> dict:
         program_ms=median_ms(lambda: runner._prefill(packed, pack.num_prompts)[1].cpu()),
         program_without_cache_writes_ms=median_ms(lambda: no_writes(packed, pack.num_prompts)[1].cpu()),
     )
+
+
+def bench_kv_write(args, report) -> None:
+    """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
+    write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu
+    updates the buffer where it lies; a whole-cache copy otherwise), against copying the whole cache."""
+    dev = torch.device(args.device)
+    layers, slots, length, kv, d = 16, 33, args.max_model_len, 8, 64
+    cache = torch.zeros(layers, slots, length, kv, d, dtype=torch.bfloat16, device=dev)
+    other = torch.zeros_like(cache)
+    for batch in (1, 32):
+        idx = torch.arange(batch, device=dev)
+        pos = torch.full((batch,), 7, device=dev)
+        new = torch.ones(layers, batch, kv, d, dtype=torch.bfloat16, device=dev)
+        lidx = torch.arange(layers, device=dev)[:, None]
+
+        def write(lidx=lidx, idx=idx, pos=pos, new=new):
+            cache.index_put_((lidx, idx[None], pos[None]), new)
+
+        report(
+            "kv_write",
+            batch=batch,
+            cache_bytes=cache.numel() * 2,
+            indexed_write_ms=timed(write, args.steps) * 1e3,
+            full_copy_ms=timed(lambda: other.copy_(cache), args.steps) * 1e3,
+        )
+    assert float(cache[3, 0, 7, 0, 0].cpu()) == 1.0, "the indexed write did not land"

@@ -146,7 +146,7 @@ def _first_and_median(fn, steps: int, first_context: Any) -> tuple[float, float,
     return first, statistics.median(times) * 1e3, out
 
 
-def _without_tracebacks() -> Any:
+def tracebacks_off() -> Any:
     """torch_tpu's lowering without its MLIR location tracebacks (captured per op in compiled mode by
     default); None where torch_tpu is absent."""
     try:
@@ -200,7 +200,7 @@ def _ways(unrolled, looped, make_backend) -> dict[str, tuple[Any, Any]]:
         "unrolled": (_compiled(unrolled, make_backend), contextlib.nullcontext),
         "scan": (_compiled(looped, make_backend), contextlib.nullcontext),
     }
-    quiet = _without_tracebacks()
+    quiet = tracebacks_off()
     if quiet is not None and make_backend is not None:
         ways["unrolled_no_tracebacks"] = (_compiled(unrolled, make_backend), quiet)
     return ways

@@ -17,6 +17,7 @@ Prints one JSON line per measurement (and writes them to --out). Figures: benchm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import _tpu_h2d as h2d
 import torch
 from _tpu_engine import (
+    bench_kv_write,
     decode_rate,
     decode_split,
     greedy_tokens,
@@ -35,7 +37,7 @@ from _tpu_engine import (
     timed,
     write_llama,
 )
-from _tpu_scan import scan_probe
+from _tpu_scan import scan_probe, tracebacks_off
 from _tpu_train import bench_train
 from _tpu_vllm import add_tokenizer, cache_files, start_vllm, vllm_figures, vllm_weights, xla_programs
 
@@ -140,7 +142,11 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         **options,
     )
     load_s = time.perf_counter() - t0
-    built = 0 if args.quick else runner.warmup()
+    quiet = contextlib.nullcontext if args.mlir_tracebacks else tracebacks_off()
+    if quiet is None:
+        raise SystemExit("--no-mlir-tracebacks needs torch_tpu (its lowering's tracebacks)")
+    with quiet():
+        built = 0 if args.quick else runner.warmup()
     report(
         "engine_start",
         backend=backend,
@@ -155,6 +161,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,
         async_compile=args.async_compile,
+        mlir_tracebacks=args.mlir_tracebacks,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
@@ -262,33 +269,6 @@ def bench_prefill(args) -> None:
     )
     for prompt_len in (128, min(512, args.max_model_len - 1)):
         report("prefill_split", backend=runner.backend, **prefill_split(runner, prompt_len, args.steps))
-
-
-def bench_kv_write(args) -> None:
-    """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
-    write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu
-    updates the buffer where it lies; a whole-cache copy otherwise), against copying the whole cache."""
-    dev = torch.device(args.device)
-    layers, slots, length, kv, d = 16, 33, args.max_model_len, 8, 64
-    cache = torch.zeros(layers, slots, length, kv, d, dtype=torch.bfloat16, device=dev)
-    other = torch.zeros_like(cache)
-    for batch in (1, 32):
-        idx = torch.arange(batch, device=dev)
-        pos = torch.full((batch,), 7, device=dev)
-        new = torch.ones(layers, batch, kv, d, dtype=torch.bfloat16, device=dev)
-        lidx = torch.arange(layers, device=dev)[:, None]
-
-        def write(lidx=lidx, idx=idx, pos=pos, new=new):
-            cache.index_put_((lidx, idx[None], pos[None]), new)
-
-        report(
-            "kv_write",
-            batch=batch,
-            cache_bytes=cache.numel() * 2,
-            indexed_write_ms=timed(write, args.steps) * 1e3,
-            full_copy_ms=timed(lambda: other.copy_(cache), args.steps) * 1e3,
-        )
-    assert float(cache[3, 0, 7, 0, 0].cpu()) == 1.0, "the indexed write did not land"
 
 
 # -- RL: the rollout engine's weight updates and sleep / wake-up ---------------------------------------------
@@ -463,6 +443,12 @@ def main() -> None:
         help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
+    ap.add_argument(
+        "--no-mlir-tracebacks",
+        dest="mlir_tracebacks",
+        action="store_false",
+        help="engine: warm up with torch_tpu's MLIR location tracebacks off (_tpu_scan.py)",
+    )
     h2d.add_options(ap)
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
@@ -481,7 +467,7 @@ def main() -> None:
     commands["vllm-weights"] = bench_vllm_weights
     commands |= {
         "train": lambda a: bench_train(a, report),
-        "kv-write": bench_kv_write,
+        "kv-write": lambda a: bench_kv_write(a, report),
         "weights": bench_weights,
         "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
         "scan-probe": lambda a: scan_probe(a, report, checkpoint),
