@@ -1,7 +1,11 @@
 """Slices on demand: Ray's autoscaler starts and stops whole emulated slices (tpuray.emulator.autoscale).
 
 One autoscaling cluster for the module (started after the default cluster is shut down), small slice
-shapes: a v4 2x2x2 (two hosts) and a v6e 2x2 (one host), idle timeout 2 s, Ray's monitor every second.
+shapes: a v4 2x2x2 (two hosts) and a v6e 2x2 (one host), idle timeout 6 s, Ray's monitor every second.
+Ray's autoscaler counts a new host idle from its raylet's start until its first placement group is
+reported: on two loaded cores that took over 2 s, and a 2 s timeout removed a host a reservation had
+just been placed on. Each test's placement groups are removed after it, passed or failed, so that one
+failure does not leave the next test's slices held.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.tpu import SlicePlacementGroup as RaySlicePlacementGroup
 
 from _util import free_port, live_placement_groups
@@ -36,13 +45,21 @@ V5E = ("TPU-V5E", "2x2")  # 1 host x 4 chips
 def autoscaling(cluster_manager) -> Iterator[EmulatedCluster]:  # type: ignore[no-untyped-def]
     cluster_manager.shutdown()
     cluster = EmulatedCluster(
-        [], head_cpus=2, cpus_per_chip=1, autoscale=True, max_slices={V4: 1, V6E: 2, V5E: 1}, idle_timeout_s=2
+        [], head_cpus=2, cpus_per_chip=1, autoscale=True, max_slices={V4: 1, V6E: 2, V5E: 1}, idle_timeout_s=6
     )
     with cluster:
         cluster.connect()
         yield cluster
         pids = cluster.pids()
     assert not [p for p in pids if _alive(p)], "processes left after shutdown"
+
+
+@pytest.fixture(autouse=True)
+def _placement_groups_removed() -> Iterator[None]:
+    """After each test, passed or failed, no placement group of its is left holding slices."""
+    yield
+    for pg_id in live_placement_groups():
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
 
 
 def wait_for(what, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
