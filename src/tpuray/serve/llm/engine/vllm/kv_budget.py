@@ -2,8 +2,9 @@
 compiled model from vLLM's cache instead of compiling it again.
 
     Nothing to set: where vLLM compiles the model on a TPU (not enforce_eager), with the compilation cache
-    on (TPURAY_COMPILE_CACHE, compile_cache.py), tpuray's VLLMEngine does it. engine_kwargs kv_cache_memory_bytes or num_gpu_blocks_override size the
-    KV cache instead (tpuray then leaves it alone); TPURAY_COMPILE_CACHE=off turns it off.
+    on (TPURAY_COMPILE_CACHE, compile_cache.py), tpuray's VLLMEngine does it. engine_kwargs
+    kv_cache_memory_bytes or num_gpu_blocks_override size the KV cache instead (tpuray then leaves it
+    alone); TPURAY_COMPILE_CACHE=off turns it off.
 
 Why: vLLM sizes its KV cache from the device memory it measures at every start, and vLLM-TorchTPU's
 compiler hash (`compute_tpu_compilation_hash`: its programs hold the KV cache's extent) has the block
