@@ -16,7 +16,10 @@ compile, run), the median step time, and whether the two ways agree (greedy ids,
 written). Decode batch 32 writes densely in both ways (the engine's TPU choice), batch 1 scatters.
 With torch_tpu, a third way: the unrolled step lowered without the MLIR location tracebacks torch_tpu
 captures for every op of a compiled graph by default (`export.enable_tracebacks(False)` around its
-first call; debugging information only), a cost the engine's programs pay today.
+first call; debugging information only), a cost the engine's programs pay today. And the scan way built
+with torch.compile's aot_compile, saved and loaded back as the program store does for a second start
+(`saved_*`: build, save and load seconds, bytes, whether its guards accept the inputs, its first run and
+step time, and that it computes what the scan in memory does).
 """
 
 from __future__ import annotations
@@ -29,11 +32,34 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from _tpu_engine import sync
-from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.scan import scan_op, wrap_combine_fn_flat
 
 from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama, prefill_mask
+
+
+def layer_loop(body: Callable, init: torch.Tensor, spec_xs: Any, leaves: list) -> tuple[Any, tuple]:
+    """torch's scan of `body(carry, xs_slice) -> (carry, ys)` over dim 0 of the inputs whose leaves are
+    `leaves` (their structure: `spec_xs`, from torch.utils._pytree outside any trace), called as torch's `scan_op` itself with the structure given, not found: the user-facing
+    `scan` flattens its inputs with torch.utils._pytree under Dynamo, whose guards on pytree's registry a
+    saved program cannot hold (aot_compile refuses them). Returns (final carry, ys leaves)."""
+    combine = functools.partial(
+        wrap_combine_fn_flat,
+        combine_fn=body,
+        spec_init=_LEAF,
+        spec_xs=spec_xs,
+        num_init_leaves=1,
+        num_inp_leaves=len(leaves),
+    )
+    flat: list = []
+    for out in scan_op(combine, [init], leaves, ()):  # eager: flat; under Dynamo: (carry, [ys])
+        flat.extend(out if isinstance(out, (list, tuple)) else [out])
+    return flat[0], tuple(flat[1:])
+
+
+_LEAF = pytree.tree_flatten(torch.zeros(()))[1]
 
 
 class ScanLlama:
@@ -46,6 +72,8 @@ class ScanLlama:
         shape = (model.num_layers, num_slots + 1, max_model_len, model.local_kv_heads, model.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self._spec_decode = pytree.tree_flatten((self.w, self.k, self.v))[1]  # outside any trace
+        self._spec_prefill = pytree.tree_flatten(self.w)[1]
 
     def _layer(self, h: torch.Tensor, w: dict, cos, sin, attend) -> tuple[torch.Tensor, Any]:
         """One decoder layer (ShardedLlama._layers' body); `attend(q, k, v)` -> (output, rows to store)."""
@@ -82,7 +110,8 @@ class ScanLlama:
             h, rows = self._layer(h, w, cos, sin, attend)
             return h, rows
 
-        h, (ks, vs) = scan(body, m.embed[tokens][:, None], (self.w, self.k, self.v))
+        leaves = [*self.w.values(), self.k, self.v]
+        h, (ks, vs) = layer_loop(body, m.embed[tokens][:, None], self._spec_decode, leaves)
         self._store(slots, positions, ks, vs, context_len if dense else None)
         return m._logits(h[:, 0])
 
@@ -97,7 +126,7 @@ class ScanLlama:
 
             return self._layer(h, w, cos, sin, attend)
 
-        h, (ks, vs) = scan(body, m.embed[tokens][None], self.w)
+        h, (ks, vs) = layer_loop(body, m.embed[tokens][None], self._spec_prefill, [*self.w.values()])
         self._store(slots, positions, ks, vs, None)
         return m._logits(h[0][last])
 
@@ -177,7 +206,11 @@ def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) 
             return scanned.decode(t, p, s, c, d)
 
         ways = _ways(unrolled, looped, make_backend)
-        rows.append(_compare(f"decode-b{batch}-ctx{context}", ways, steps, cache, scanned, slots, positions))
+        row = _compare(f"decode-b{batch}-ctx{context}", ways, steps, cache, scanned, slots, positions)
+        owner = _Steps(scanned, context, dense)
+        rows.append(
+            row | _saved_row(_Steps.decode, owner, (tokens, positions, slots), make_backend, steps, ways)
+        )
     T = min(512, max_model_len)
     tokens = torch.arange(3, 3 + T, device=dev) % model.vocab_size
     positions = torch.arange(T, device=dev)
@@ -189,8 +222,70 @@ def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) 
         lambda: scanned.prefill(tokens, positions, segments, slots, last),
         make_backend,
     )
-    rows.append(_compare(f"prefill-{T}", ways, steps, cache, scanned, slots[-1:], positions[-1:]))
+    row = _compare(f"prefill-{T}", ways, steps, cache, scanned, slots[-1:], positions[-1:])
+    args = (tokens, positions, segments, slots, last)
+    rows.append(row | _saved_row(_Steps.prefill, _Steps(scanned), args, make_backend, steps, ways))
     return rows
+
+
+def _saved_row(method, owner, args, make_backend, steps, ways) -> dict:
+    """The scan way saved and loaded (`saved_program`): its parts' seconds, its first run and step time,
+    and whether it computes what the scan way in memory does; an error is the figure. Nothing where the
+    backend's programs cannot be saved (eager, or no backend)."""
+    if make_backend is None:
+        return {}
+    try:
+        run, figures = saved_program(method, owner, args, make_backend)
+        first, ms, out = _first_and_median(run, steps, contextlib.nullcontext)
+        reference = ways["scan"][0]().float().cpu()
+    except Exception as e:  # noqa: BLE001 - the exact error is the figure
+        return {"saved_error": f"{type(e).__name__}: {e}"[:600]}
+    diff = float((out.float().cpu() - reference).abs().max())
+    return figures | {"saved_first_run_s": first, "saved_ms": ms, "saved_vs_scan_max_diff": diff}
+
+
+class _Steps:
+    """The scanned steps as methods of an object (what torch.compile's aot_compile saves: programs.py)."""
+
+    def __init__(self, scanned: ScanLlama, context_len: int = 0, dense: bool = False):
+        self.scanned, self.context_len, self.dense = scanned, context_len, dense
+
+    def decode(self, tokens, positions, slots):
+        return self.scanned.decode(tokens, positions, slots, self.context_len, self.dense)
+
+    def prefill(self, tokens, positions, segments, slots, last):
+        return self.scanned.prefill(tokens, positions, segments, slots, last)
+
+
+def saved_program(method: Callable, owner: _Steps, args: tuple, make_backend: Callable) -> tuple[Any, dict]:
+    """`method` built with aot_compile, saved to a file and loaded back as a second start would load it
+    (programs.py; the load inside a throwaway tracing context: torch 2.13 installs a guard while it
+    unpickles a scan program's guards); the loaded program's step and the seconds of each part."""
+    import os
+    import tempfile
+
+    from torch._guards import TracingContext, tracing
+
+    compiled = torch.compile(method, backend=make_backend(), dynamic=False, fullgraph=True)
+    t0 = time.perf_counter()
+    program = compiled.aot_compile(((owner, *args), {}))
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "program.bin")
+        program.save_compiled_function(path)
+        t2 = time.perf_counter()
+        with open(path, "rb") as f, tracing(TracingContext(None)):
+            loaded = torch.compiler.load_compiled_function(f)
+        t3 = time.perf_counter()
+        size = os.path.getsize(path)
+    figures = dict(
+        saved_build_s=t1 - t0,
+        saved_save_s=t2 - t1,
+        saved_load_s=t3 - t2,
+        saved_bytes=size,
+        saved_guards_accept=bool(loaded.guard_check(owner, *args)),
+    )
+    return functools.partial(loaded, owner, *args), figures
 
 
 def _ways(unrolled, looped, make_backend) -> dict[str, tuple[Any, Any]]:
