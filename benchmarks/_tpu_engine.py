@@ -6,8 +6,10 @@ reports them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -19,6 +21,25 @@ from tpuray.serve.llm.engine.embedded.step_plan import FROM_DEVICE
 def sync() -> None:
     if hasattr(torch, "accelerator") and torch.accelerator.is_available():
         torch.accelerator.synchronize()
+
+
+def first_and_median(fn, steps: int, first_context=contextlib.nullcontext) -> tuple[float, float, object]:
+    """(seconds of the first call, run inside `first_context()`, compiling where it must; the median ms
+    of `steps` calls after it; the first call's result), the device awaited around each call."""
+    sync()
+    t = time.perf_counter()
+    with first_context():
+        out = fn()
+    sync()
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return first, statistics.median(times) * 1e3, out
 
 
 def timed(fn, iters: int) -> float:
@@ -264,8 +285,6 @@ def prefill_split(runner, prompt_len: int, steps: int) -> dict:
     packing on the host, one input copy, the program, the ids read back); the prefill program alone with
     its inputs already on the device; the same program compiled over a cache whose writes are dropped
     (what the prompt's K/V scatters into the cache cost, as the difference)."""
-    import statistics
-
     from tpuray.serve.llm.engine.embedded.runner import StepFunctions
     from tpuray.serve.llm.engine.embedded.step_plan import pack_prefills
     from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
@@ -280,14 +299,7 @@ def prefill_split(runner, prompt_len: int, steps: int) -> dict:
     no_writes = torch.compile(unwritten.prefill, backend=backend, dynamic=False, fullgraph=True)
 
     def median_ms(fn) -> float:
-        fn()  # untimed: compiles where it must
-        times = []
-        for _ in range(steps):
-            sync()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+        return first_and_median(fn, steps)[1]  # the first call untimed: it compiles where it must
 
     return dict(
         prompt_tokens=prompt_len,

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from _tpu_engine import sync
+from _tpu_engine import first_and_median
 from torch._higher_order_ops.scan import scan_op, wrap_combine_fn_flat
 
 from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
@@ -75,22 +74,6 @@ class ScanLlama:
         self._spec_decode = pytree.tree_flatten((self.w, self.k, self.v))[1]  # outside any trace
         self._spec_prefill = pytree.tree_flatten(self.w)[1]
 
-    def _layer(self, h: torch.Tensor, w: dict, cos, sin, attend) -> tuple[torch.Tensor, Any]:
-        """One decoder layer (ShardedLlama._layers' body); `attend(q, k, v)` -> (output, rows to store)."""
-        m = self.m
-        B, T, _ = h.shape
-        H, KV, D = m.local_heads, m.local_kv_heads, m.head_dim
-        qkv = m._rms(h, w["in_norm"]) @ w["qkv"].T
-        if "qkv_bias" in w:
-            qkv = qkv + w["qkv_bias"]
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-        q = m._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
-        k = m._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
-        attn, rows = attend(q, k, v.view(B, T, KV, D).transpose(1, 2))
-        h = h + attn.transpose(1, 2).reshape(B, T, H * D) @ w["o"].T
-        gate, up = (m._rms(h, w["post_norm"]) @ w["gate_up"].T).chunk(2, dim=-1)
-        return h + (torch.nn.functional.silu(gate) * up) @ w["down"].T, rows
-
     def decode(self, tokens, positions, slots, context_len: int, dense: bool) -> torch.Tensor:
         m = self.m
         cos, sin = m._rope_tables(positions[:, None])
@@ -105,10 +88,10 @@ class ScanLlama:
             def attend(q, k, v):  # the cache's rows with this token's K/V in its place (not yet written)
                 keys = torch.where(here, k, kc[slots, :context_len].transpose(1, 2))
                 values = torch.where(here, v, vc[slots, :context_len].transpose(1, 2))
-                return m._matmul_attention(q, keys, values, mask), (k[:, :, 0], v[:, :, 0])
+                return m._matmul_attention(q, keys, values, mask)
 
-            h, rows = self._layer(h, w, cos, sin, attend)
-            return h, rows
+            h, k, v = m._layer(h, w, cos, sin, attend)  # the engine's layer, its weights a slice
+            return h, (k[:, :, 0], v[:, :, 0])
 
         leaves = [*self.w.values(), self.k, self.v]
         h, (ks, vs) = layer_loop(body, m.embed[tokens][:, None], self._spec_decode, leaves)
@@ -121,10 +104,8 @@ class ScanLlama:
         mask = prefill_mask(positions, segments)
 
         def body(h, w):
-            def attend(q, k, v):
-                return m._attention(q, k, v, mask), (k[0].transpose(0, 1), v[0].transpose(0, 1))
-
-            return self._layer(h, w, cos, sin, attend)
+            h, k, v = m._layer(h, w, cos, sin, lambda q, k, v: m._attention(q, k, v, mask))
+            return h, (k[0].transpose(0, 1), v[0].transpose(0, 1))
 
         h, (ks, vs) = layer_loop(body, m.embed[tokens][None], self._spec_prefill, [*self.w.values()])
         self._store(slots, positions, ks, vs, None)
@@ -156,23 +137,6 @@ def _compiled(fn, make_backend: Callable[[], Any] | None):
     if make_backend is None:
         return fn
     return torch.compile(fn, backend=make_backend(), dynamic=False, fullgraph=True)
-
-
-def _first_and_median(fn, steps: int, first_context: Any) -> tuple[float, float, Any]:
-    sync()
-    t = time.perf_counter()
-    with first_context():
-        out = fn()
-    sync()
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(steps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return first, statistics.median(times) * 1e3, out
 
 
 def tracebacks_off() -> Any:
@@ -236,7 +200,7 @@ def _saved_row(method, owner, args, make_backend, steps, ways) -> dict:
         return {}
     try:
         run, figures = saved_program(method, owner, args, make_backend)
-        first, ms, out = _first_and_median(run, steps, contextlib.nullcontext)
+        first, ms, out = first_and_median(run, steps, contextlib.nullcontext)
         reference = ways["scan"][0]().float().cpu()
     except Exception as e:  # noqa: BLE001 - the exact error is the figure
         return {"saved_error": f"{type(e).__name__}: {e}"[:600]}
@@ -308,7 +272,7 @@ def _compare(name, ways, steps, cache, scanned, slots, positions) -> dict:
     logits = {}
     for way, (fn, first_context) in ways.items():
         try:
-            first, ms, out = _first_and_median(fn, steps, first_context)
+            first, ms, out = first_and_median(fn, steps, first_context)
         except Exception as e:  # noqa: BLE001 - the exact error is the figure
             row[f"{way}_error"] = f"{type(e).__name__}: {e}"[:600]
             continue

@@ -8,6 +8,7 @@ are replicated, so every rank ends with the full logits. With world_size 1 it is
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -209,31 +210,42 @@ class ShardedLlama:
         return (probs @ v).reshape(B, H, T, D)
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The decoder stack over hidden states [B, T, hidden]; `attend(layer, q, k, v)` takes this
-        step's q [B, H, T, D] and k/v [B, KV, T, D] (RoPE applied), stores k/v and returns the attention
-        output [B, H, T, D]."""
+        """The decoder stack over hidden states [B, T, hidden]; `attend(layer, q, k, v)` as `_layer`'s."""
+        for i, layer in enumerate(self.layers):
+            h = self._layer(h, layer, cos, sin, functools.partial(attend, i))[0]
+        return h
+
+    def _layer(
+        self,
+        h: torch.Tensor,
+        layer: dict[str, torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder layer over hidden states [B, T, hidden] with its weights `layer`: the new hidden
+        states and this step's k/v [B, KV, T, D] (RoPE applied), which `attend(q, k, v)` takes with q
+        [B, H, T, D] to store k/v and return the attention output [B, H, T, D]."""
         B, T, _ = h.shape
         H, KV, D = self.local_heads, self.local_kv_heads, self.head_dim
-        for i, layer in enumerate(self.layers):
-            x = self._rms(h, layer["in_norm"])
-            qkv = x @ layer["qkv"].T
-            if "qkv_bias" in layer:
-                qkv = qkv + layer["qkv_bias"]
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-            q = self._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
-            k = self._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
-            attn = attend(i, q, k, v.view(B, T, KV, D).transpose(1, 2))
-            out = attn.transpose(1, 2).reshape(B, T, H * D) @ layer["o"].T
-            if self.all_reduce is not None:
-                self.all_reduce(out)
-            h = h + out
-            x = self._rms(h, layer["post_norm"])
-            gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
-            out = (F.silu(gate) * up) @ layer["down"].T
-            if self.all_reduce is not None:
-                self.all_reduce(out)
-            h = h + out
-        return h
+        x = self._rms(h, layer["in_norm"])
+        qkv = x @ layer["qkv"].T
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q = self._rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
+        k = self._rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
+        v = v.view(B, T, KV, D).transpose(1, 2)
+        out = attend(q, k, v).transpose(1, 2).reshape(B, T, H * D) @ layer["o"].T
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        h = h + out
+        x = self._rms(h, layer["post_norm"])
+        gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
+        out = (F.silu(gate) * up) @ layer["down"].T
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return h + out, k, v
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._rms(h, self.norm) @ self.lm_head.T
