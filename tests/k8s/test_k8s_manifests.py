@@ -76,6 +76,13 @@ def check_tpu_fields(manifest: dict, topo: SliceTopology, num_slices: int) -> No
     (container,) = pod["containers"]
     for section in ("limits", "requests"):
         assert container["resources"][section]["google.com/tpu"] == str(topo.chips_per_host)
+    # libtpu's premapped host buffer, read by torch_tpu as torch loads: set for every process in the pod
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert (
+        env["TPU_PREMAPPED_BUFFER_SIZE"]
+        == env["TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"]
+        == str(4 << 30)
+    )
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": GKE_ACCELERATOR[topo.accelerator_type],
         "cloud.google.com/gke-tpu-topology": "x".join(map(str, topo.shape[: topo.generation.dims])),

@@ -8,11 +8,14 @@ torch_tpu 0.2.0 on this CPU machine the same paths were checked by hand, see doc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from _util import free_port
 from conftest import run_python
+from tpuray.constants import TPU_HOST_TRANSFER_ENV
+from tpuray.runtime import detect
 
 CHECK = """
 import json, sys
@@ -96,3 +99,20 @@ def test_the_emulated_torch_tpu_is_not_taken_for_a_real_one() -> None:
 
     r, _ = _run({"PYTHONPATH": str(detect.SHIM_DIR)})
     assert not r["installed"] and not r["usable"] and r["emulated"] and r["dist"] == "initialised"
+
+
+@pytest.mark.parametrize("size", [None, "", "0"])
+def test_a_real_tpu_without_the_premapped_buffer_is_told_what_to_set(size):
+    environ = {} if size is None else {"TPU_PREMAPPED_BUFFER_SIZE": size}
+    hint = detect.host_transfer_hint(environ)
+    assert hint is not None
+    assert "TPU_PREMAPPED_BUFFER_SIZE=4294967296" in hint
+    assert "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296" in hint
+    assert detect.host_transfer_hint({"TPU_PREMAPPED_BUFFER_SIZE": "4294967296"}) is None
+
+
+def test_the_tpu_vm_environment_sets_the_premapped_buffer_tpuray_recommends():
+    """tpu-vm/env.sh (a shell file) repeats constants.TPU_HOST_TRANSFER_ENV: the two must agree."""
+    text = (Path(__file__).resolve().parents[2] / "tpu-vm" / "env.sh").read_text()
+    for name, value in TPU_HOST_TRANSFER_ENV:
+        assert f"{name}=${{{name}:-{value}}}" in text

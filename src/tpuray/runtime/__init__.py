@@ -33,11 +33,14 @@ def activate() -> str:
     global _mode
     if _mode is not None:
         return _mode
-    from tpuray.runtime.detect import emulation_blocked_reason, torch_tpu_usable
+    from tpuray.runtime.detect import emulation_blocked_reason, host_transfer_hint, torch_tpu_usable
 
     if torch_tpu_usable():
         import torch_tpu  # noqa: F401  (registers "tpu" and "tpu_dist" itself)
 
+        hint = host_transfer_hint(os.environ)
+        if hint:
+            log.warning("tpuray: %s", hint)
         _mode = "real"
         return _mode
     blocked = emulation_blocked_reason()

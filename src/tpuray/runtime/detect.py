@@ -19,9 +19,15 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from tpuray.constants import EMULATION_ENV, TORCH_TPU_PROBE_ENV
+from tpuray.constants import (
+    EMULATION_ENV,
+    TORCH_TPU_PROBE_ENV,
+    TPU_HOST_TRANSFER_ENV,
+    TPU_PREMAPPED_BUFFER_SIZE_ENV,
+)
 
 PROBE_ENV = TORCH_TPU_PROBE_ENV  # "1" / "0": the probe's answer, inherited from a parent process
 
@@ -81,4 +87,19 @@ def emulation_blocked_reason() -> str | None:
         "torch_tpu's kernels, which look for TPU hardware and can block). To emulate on this machine use "
         "an environment without torch_tpu (`pip uninstall torch_tpu libtpu`); on a Cloud TPU VM, "
         "torch_tpu is used and nothing is emulated"
+    )
+
+
+def host_transfer_hint(environ: Mapping[str, str]) -> str | None:
+    """What to set where libtpu's premapped host buffer is off in `environ` (a real TorchTPU's process
+    environment; torch_tpu read it at `import torch`), or None where it is set."""
+    size = environ.get(TPU_PREMAPPED_BUFFER_SIZE_ENV, "").strip()
+    if size not in ("", "0"):
+        return None
+    settings = " ".join(f"{k}={v}" for k, v in TPU_HOST_TRANSFER_ENV)
+    return (
+        f"{TPU_PREMAPPED_BUFFER_SIZE_ENV} is {size or 'unset'}: libtpu has no premapped host buffer, so "
+        "every host-to-chip copy (weights, KV cache, RL updates) takes its slow staged path (~10x slower "
+        f"on a v5e). Set {settings} in the environment before torch is imported (tpu-vm/env.sh and "
+        "tpuray's KubeRay manifests do; for Ray workers started otherwise, in the host's environment)"
     )
