@@ -60,6 +60,10 @@ payload() {
     "$(ls "$ROOT"/unpack/wheels/vllm_torchtpu-*.whl)" "$ROOT/site"
   rm -f "$ROOT/site/sitecustomize.py"   # its two settings are in env.sh (it would run in every process)
   "$PY" "$HERE/py311.py" "$ROOT/site"
+  # bytecode for every module, once: the VM sets PYTHONDONTWRITEBYTECODE and pip ran with --no-compile,
+  # so each process would otherwise compile torch's, vLLM's ... sources again at every import (here
+  # `import torch, torch._dynamo, sympy`: 2.1 s with bytecode, 5.8 s without, on 2 cores)
+  "$PY" -m compileall -q -j 0 "$ROOT/site" > "$ROOT/compileall.log" 2>&1 || true
   rm -rf "$ROOT/unpack" "$ROOT/site/bin"; touch "$ROOT/.payload"
   echo "payload: installed in $((SECONDS - t0)) s"
 }
