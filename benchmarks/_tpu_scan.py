@@ -14,9 +14,9 @@ For a decode of batch 1 and 32 over a context of `--max-model-len` and a 512-tok
 compiled with the engine's backend (tpu-donate on a TPU): the first call's seconds (trace, lower,
 compile, run), the median step time, and whether the two ways agree (greedy ids, logits, the K/V rows
 written). Decode batch 32 writes densely in both ways (the engine's TPU choice), batch 1 scatters.
-With torch_tpu, a third way: the unrolled step lowered without the MLIR location tracebacks torch_tpu
-captures for every op of a compiled graph by default (`export.enable_tracebacks(False)` around its
-first call; debugging information only), a cost the engine's programs pay today. And the scan way built
+With torch_tpu's tpu-donate, a third way: the unrolled step lowered with the MLIR location tracebacks
+torch_tpu captures for every op of a compiled graph by default (`unrolled_tracebacks`; the engine's
+backend lowers without them since the v5e showed their cost: first call ~2x, step time alike). And the scan way built
 with torch.compile's aot_compile, saved and loaded back as the program store does for a second start
 (`saved_*`: build, save and load seconds, bytes, whether its guards accept the inputs, its first run and
 step time, and that it computes what the scan in memory does).
@@ -139,18 +139,11 @@ def _compiled(fn, make_backend: Callable[[], Any] | None):
     return torch.compile(fn, backend=make_backend(), dynamic=False, fullgraph=True)
 
 
-def tracebacks_off() -> Any:
-    """torch_tpu's lowering without its MLIR location tracebacks (captured per op in compiled mode by
-    default); None where torch_tpu is absent."""
-    try:
-        from torch_tpu._internal.export.export import enable_tracebacks
-    except ImportError:
-        return None
-    return functools.partial(enable_tracebacks, False)
-
-
-def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) -> list[dict]:
-    """Rows of `scan-probe`: one per step shape, each way against the unrolled one."""
+def probe(
+    path, max_model_len: int, steps: int, device: str, make_backend: Any, make_traced: Any = None
+) -> list[dict]:
+    """Rows of `scan-probe`: one per step shape, each way against the unrolled one (`make_traced`: the
+    backend of the unrolled_tracebacks way, or None for none)."""
     slots_n = 32
     model = ShardedLlama(path, dtype=torch.bfloat16, device=device, decode_attention="matmul")
     L, KV, D = model.num_layers, model.local_kv_heads, model.head_dim
@@ -169,7 +162,7 @@ def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) 
         def looped(t=tokens, p=positions, s=slots, d=dense, c=context):
             return scanned.decode(t, p, s, c, d)
 
-        ways = _ways(unrolled, looped, make_backend)
+        ways = _ways(unrolled, looped, make_backend, make_traced)
         row = _compare(f"decode-b{batch}-ctx{context}", ways, steps, cache, scanned, slots, positions)
         owner = _Steps(scanned, context, dense)
         rows.append(
@@ -185,6 +178,7 @@ def probe(path, max_model_len: int, steps: int, device: str, make_backend: Any) 
         lambda: model.prefill(tokens, positions, segments, slots, last, cache),
         lambda: scanned.prefill(tokens, positions, segments, slots, last),
         make_backend,
+        make_traced,
     )
     row = _compare(f"prefill-{T}", ways, steps, cache, scanned, slots[-1:], positions[-1:])
     args = (tokens, positions, segments, slots, last)
@@ -252,16 +246,15 @@ def saved_program(method: Callable, owner: _Steps, args: tuple, make_backend: Ca
     return functools.partial(loaded, owner, *args), figures
 
 
-def _ways(unrolled, looped, make_backend) -> dict[str, tuple[Any, Any]]:
-    """Each way's (compiled step, context of its first call): unrolled, scan and, with torch_tpu, unrolled
-    lowered without MLIR tracebacks."""
+def _ways(unrolled, looped, make_backend, make_traced) -> dict[str, tuple[Any, Any]]:
+    """Each way's (compiled step, context of its first call): unrolled, scan and, with tpu-donate,
+    unrolled lowered with MLIR tracebacks."""
     ways = {
         "unrolled": (_compiled(unrolled, make_backend), contextlib.nullcontext),
         "scan": (_compiled(looped, make_backend), contextlib.nullcontext),
     }
-    quiet = tracebacks_off()
-    if quiet is not None and make_backend is not None:
-        ways["unrolled_no_tracebacks"] = (_compiled(unrolled, make_backend), quiet)
+    if make_traced is not None:
+        ways["unrolled_tracebacks"] = (_compiled(unrolled, make_traced), contextlib.nullcontext)
     return ways
 
 
@@ -295,10 +288,13 @@ def _compare(name, ways, steps, cache, scanned, slots, positions) -> dict:
 def scan_probe(args, report: Any, checkpoint: Any) -> None:
     """bench_real_tpu.py `scan-probe`: the rows of `probe`, compiled with the first --compile-backend (on a
     CPU: eager, unless another backend is named)."""
-    from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+    from tpuray.serve.llm.engine.embedded.tpu_compile import DONATING, donating_backend, lookup
 
     path, _ = checkpoint(args)
     name = args.compile_backend.split(",")[0]
     make = functools.partial(lookup, name) if args.device == "tpu" or name != "tpu-donate" else None
-    for row in probe(path, args.max_model_len, args.steps, args.device, make):
+    traced = (
+        functools.partial(donating_backend, name, mlir_tracebacks=True) if make and name in DONATING else None
+    )
+    for row in probe(path, args.max_model_len, args.steps, args.device, make, traced):
         report("scan_probe", backend=name if make else "eager", **row)

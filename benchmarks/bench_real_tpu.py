@@ -17,7 +17,6 @@ Prints one JSON line per measurement (and writes them to --out). Figures: benchm
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
@@ -37,7 +36,7 @@ from _tpu_engine import (
     timed,
     write_llama,
 )
-from _tpu_scan import scan_probe, tracebacks_off
+from _tpu_scan import scan_probe
 from _tpu_train import bench_train
 from _tpu_vllm import add_tokenizer, cache_files, start_vllm, vllm_figures, vllm_weights, xla_programs
 
@@ -142,11 +141,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         **options,
     )
     load_s = time.perf_counter() - t0
-    quiet = contextlib.nullcontext if args.mlir_tracebacks else tracebacks_off()
-    if quiet is None:
-        raise SystemExit("--no-mlir-tracebacks needs torch_tpu (its lowering's tracebacks)")
-    with quiet():
-        built = 0 if args.quick else runner.warmup()
+    built = 0 if args.quick else runner.warmup()
     report(
         "engine_start",
         backend=backend,
@@ -161,7 +156,6 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,
         async_compile=args.async_compile,
-        mlir_tracebacks=args.mlir_tracebacks,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
@@ -443,12 +437,6 @@ def main() -> None:
         help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
-    ap.add_argument(
-        "--no-mlir-tracebacks",
-        dest="mlir_tracebacks",
-        action="store_false",
-        help="engine: warm up with torch_tpu's MLIR location tracebacks off (_tpu_scan.py)",
-    )
     h2d.add_options(ap)
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
