@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -385,6 +386,8 @@ def handover(weights, take, level: int, live) -> dict:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tpuray").setLevel(logging.INFO)  # progress of long work (the warm-up's programs)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "what",

@@ -102,7 +102,9 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 # loads its step programs (tpuray.serve.llm.engine.embedded.programs), runs a greedy prefill and 8 decode
 # steps of two prompts (of the tiny model at the path, built there first if missing), prints one JSON line: programs compiled and loaded, and the greedy tokens.
 RUNNER_START = """
-import json, os, sys
+import json, logging, os, sys
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("tpuray").setLevel(logging.INFO)  # the warm-up's progress, one line per program
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
 path, device, backend, load_workers, async_compile = *sys.argv[1:4], int(sys.argv[4]), sys.argv[5] == "1"

@@ -21,6 +21,7 @@ def test_a_second_start_loads_every_program_and_a_bad_one_is_compiled_again(tiny
     first = runner_start(tiny_model_dir, cache, "cpu", "inductor")
     n = first["programs"]
     assert first["compiled"] == first["warmup_compiled"] == n and first["loaded"] == 0
+    assert f"warm-up: program {n} of {n} (" in first["stderr"] and ") compiled in " in first["stderr"]
     saved = sorted((cache / "programs").rglob("*.bin"))
     assert len(saved) == n, saved
     torch_aot_cache = tmp_path / "cache-torch" / "aotautograd"  # the store saved them; torch's cache not
@@ -29,6 +30,7 @@ def test_a_second_start_loads_every_program_and_a_bad_one_is_compiled_again(tiny
     )
     second = runner_start(tiny_model_dir, cache, "cpu", "inductor", load_workers=2)  # read by 2 threads
     assert second["compiled"] == 0 and second["loaded"] == second["preloaded"] == n
+    assert ") loaded in " in second["stderr"] and ") compiled in " not in second["stderr"]
     assert second["tokens"] == first["tokens"]
 
     prefill, decode = saved[-1], saved[0]  # sorted: decode-*, then prefill-*

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -182,10 +183,21 @@ class StepPrograms:
         """Build (load, or compile to save) every program of `kinds_and_args` ("prefill" or "decode", and
         its warm-up inputs) before running any: with async_compile, torch_tpu lowers and compiles each one
         in the background while the next is traced. `save_built` then saves those compiled here."""
-        for kind, args in kinds_and_args:
+        for i, (kind, args) in enumerate(kinds_and_args, 1):
             name = self.name(kind, args)
             if self.store is not None and name not in self._programs:
-                self._programs[name] = self._load(kind, name, args) or self._compile(kind, name, args, True)
+                start = time.perf_counter()
+                program = self._load(kind, name, args)
+                how = "loaded" if program is not None else "compiled"
+                self._programs[name] = program or self._compile(kind, name, args, True)
+                logger.info(
+                    "warm-up: program %d of %d (%s) %s in %.1f s",
+                    i,
+                    len(kinds_and_args),
+                    name,
+                    how,
+                    time.perf_counter() - start,
+                )
 
     def save_built(self) -> None:
         """Save the programs `build` compiled (each waits for its compilation first, with async_compile)."""
