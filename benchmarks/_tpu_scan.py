@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from _tpu_engine import first_and_median
 from torch._higher_order_ops.scan import scan_op, wrap_combine_fn_flat
 
-from tpuray.serve.llm.engine.embedded.kv_cache import KVCache
+from tpuray.serve.llm.engine.embedded.kv_cache import KVCache, one_hot_places
 from tpuray.serve.llm.engine.embedded.model import ShardedLlama, prefill_mask
 
 
@@ -114,17 +114,14 @@ class ScanLlama:
     def _store(self, slots, positions, ks, vs, dense_length: int | None) -> None:
         """Every layer's rows [L, N, kv_heads, head_dim] into the stacked cache in one write: a scatter,
         or (`dense_length`) positions [0, length) of every slot rewritten, rows placed by a one-hot
-        matmul (kv_cache.KVCache.dense_writer, over all layers at once)."""
+        matmul (kv_cache.one_hot_places, as KVCache.dense_writer, over all layers at once)."""
         if dense_length is None:
             self.k[:, slots, positions] = ks
             self.v[:, slots, positions] = vs
             return
-        S, n, dev = self.k.shape[1], dense_length, slots.device
-        hit = (torch.arange(S, device=dev)[:, None, None] == slots) & (
-            torch.arange(n, device=dev)[None, :, None] == positions
-        )  # [S, n, N]
-        written = hit.any(-1)[None, ..., None, None]
-        onehot = hit.reshape(S * n, -1)
+        S, n = self.k.shape[1], dense_length
+        places, onehot = one_hot_places(S, n, slots, positions)
+        written = places[None, ..., None, None]
         for cache, x in ((self.k, ks), (self.v, vs)):
             rows = (onehot.to(x.dtype) @ x.reshape(x.shape[0], x.shape[1], -1)).view(
                 x.shape[0], S, n, *x.shape[2:]

@@ -56,12 +56,9 @@ class KVCache:
         a scatter: positions [0, length) of every slot are rewritten, the N rows placed by a one-hot
         matmul (exact: one non-zero term per element). Rows that share a place (padding in the trash
         slot) add up there."""
-        S, dev = self.k[0].shape[0], slots.device
-        hit = (torch.arange(S, device=dev)[:, None, None] == slots) & (
-            torch.arange(length, device=dev)[None, :, None] == positions
-        )  # [S, length, N]
-        written = hit.any(-1)[..., None, None]
-        onehot = hit.reshape(S * length, -1)
+        S = self.k[0].shape[0]
+        places, onehot = one_hot_places(S, length, slots, positions)
+        written = places[..., None, None]
 
         def put(cache: torch.Tensor, x: torch.Tensor) -> None:
             rows = (onehot.to(x.dtype) @ x.reshape(x.shape[0], -1)).view(S, length, *x.shape[1:])
@@ -78,3 +75,15 @@ class KVCache:
         k = self.k[layer][slots, :length].transpose(1, 2)
         v = self.v[layer][slots, :length].transpose(1, 2)
         return k, v
+
+
+def one_hot_places(
+    num_slots: int, length: int, slots: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where N rows land at (slots[i], positions[i]) among `num_slots` x `length` places: (written
+    [num_slots, length], whether a row lands there; onehot [num_slots * length, N], which one)."""
+    dev = slots.device
+    hit = (torch.arange(num_slots, device=dev)[:, None, None] == slots) & (
+        torch.arange(length, device=dev)[None, :, None] == positions
+    )  # [S, length, N]
+    return hit.any(-1), hit.reshape(num_slots * length, -1)
