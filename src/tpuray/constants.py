@@ -66,7 +66,7 @@ TORCH_TPU_DEVICES_PER_HOST_ENV = "TORCH_TPU_DEVICES_PER_HOST"  # tpu_dist: ranks
 # libtpu's premapped (pinned, DMA-mapped) host buffer, which torch_tpu hands libtpu once, at `import torch`:
 # unset, it passes 0 bytes and every host-to-chip copy takes libtpu's staged slow path. On a v5e
 # (bench_real_tpu.py h2d, a 2.2 GB bf16 state dict) 2.73 s unset, 0.26 s with these settings. Set on TPU
-# hosts before torch loads (tpu-vm/env.sh, tpuray.k8s's TPU worker pods); tpuray warns where it is unset.
+# hosts before torch loads (tpu-vm/env.sh; tpuray.k8s's TPU pods, within their memory); tpuray warns where unset.
 TPU_PREMAPPED_BUFFER_SIZE_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 TPU_PREMAPPED_THRESHOLD_ENV = (
     "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"  # largest copy staged through it

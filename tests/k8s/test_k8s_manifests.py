@@ -16,7 +16,9 @@ from ray.autoscaler._private.kuberay.utils import (
 )
 
 from tpuray.k8s import K8sConfig, build_manifest, ray_cluster_spec
+from tpuray.k8s.config import quantity_bytes
 from tpuray.topology import SliceTopology
+from tpuray.validation import ConfigError
 
 # GKE's cloud.google.com/gke-tpu-accelerator values (cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus).
 GKE_ACCELERATOR = {
@@ -76,13 +78,13 @@ def check_tpu_fields(manifest: dict, topo: SliceTopology, num_slices: int) -> No
     (container,) = pod["containers"]
     for section in ("limits", "requests"):
         assert container["resources"][section]["google.com/tpu"] == str(topo.chips_per_host)
-    # libtpu's premapped host buffer, read by torch_tpu as torch loads: set for every process in the pod
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert (
-        env["TPU_PREMAPPED_BUFFER_SIZE"]
-        == env["TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"]
-        == str(4 << 30)
-    )
+    # libtpu's premapped host buffer, read by torch_tpu as torch loads: set for every process in the pod,
+    # each chip's process pinning at most a quarter of its share of the pod's memory
+    env = {e["name"]: int(e["value"]) for e in container["env"]}
+    size = env["TPU_PREMAPPED_BUFFER_SIZE"]
+    assert size == env["TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"] and size & (size - 1) == 0
+    assert 256 << 20 <= size <= 4 << 30
+    assert size * topo.chips_per_host <= quantity_bytes(container["resources"]["limits"]["memory"]) // 4
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": GKE_ACCELERATOR[topo.accelerator_type],
         "cloud.google.com/gke-tpu-topology": "x".join(map(str, topo.shape[: topo.generation.dims])),
@@ -299,3 +301,22 @@ def test_spot_and_reservation_node_selectors(kwargs, selector, spot_toleration):
     spot = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
     assert (spot in pod["tolerations"]) == spot_toleration
     assert "nodeSelector" not in m["spec"]["headGroupSpec"]["template"]["spec"]  # the head stays on-demand
+
+
+def test_kubernetes_quantities_in_bytes():
+    assert quantity_bytes("32Gi") == 32 << 30 and quantity_bytes("500M") == 500_000_000
+    assert quantity_bytes("1e9") == quantity_bytes("1G") == 10**9
+    assert quantity_bytes("34359738368") == 32 << 30
+    with pytest.raises(ConfigError, match="'32 GB' is not a Kubernetes quantity"):
+        quantity_bytes("32 GB")
+
+
+@pytest.mark.parametrize(
+    "topology, memory, size",
+    [("2x4", "32Gi", 1 << 30), ("4x4", "32Gi", 2 << 30), ("4x4", "256Gi", 4 << 30), ("2x4", "4Gi", None)],
+)
+def test_the_premapped_buffer_fits_each_chips_share_of_the_pod(topology, memory, size):
+    """v5e: 2x4 is one 8-chip host, 4x4 four 4-chip hosts; a buffer under 256 MiB is not set at all."""
+    env = dict(K8sConfig("TPU-V5E", topology, worker_memory=memory).host_transfer_env())
+    names = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES")
+    assert env == ({} if size is None else dict.fromkeys(names, str(size)))

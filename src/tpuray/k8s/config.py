@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuray.constants import TPU_HOST_TRANSFER_ENV
 from tpuray.k8s.autoscale import AutoscaleConfig
 from tpuray.topology import SliceTopology
 from tpuray.validation import ConfigError, canonical_choice, check_positive_int
@@ -45,6 +46,20 @@ _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+
+
+MIN_PREMAPPED_BYTES = 256 << 20
+_SUFFIX: dict[str, float] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIX |= {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity_bytes(value: str) -> int:
+    """A Kubernetes quantity ("32Gi", "500M", "1e9", "34359738368") as a whole number of bytes."""
+    if not _QUANTITY.match(value):
+        raise ConfigError(f"{value!r} is not a Kubernetes quantity; valid: e.g. '32Gi', '500M', '1e9'")
+    suffix = next((s for s in sorted(_SUFFIX, key=len, reverse=True) if value.endswith(s)), "")
+    number = value[: len(value) - len(suffix)] if suffix else value
+    return int(float(number) * _SUFFIX.get(suffix, 1))
 
 
 def default_ray_version() -> str:
@@ -261,6 +276,17 @@ class K8sConfig:
     @property
     def worker_group_name(self) -> str:
         return f"tpu-{self.slice_topology.pod_type}"
+
+    def host_transfer_env(self) -> list[tuple[str, str]]:
+        """libtpu's premapped host buffer for each chip's process in a TPU pod (TPU_HOST_TRANSFER_ENV),
+        its size capped at a quarter of that process's share of `worker_memory` (the buffer is pinned
+        host memory, counted against the pod's limit) and rounded down to a power of two; nothing where
+        the cap falls under 256 MiB (tpuray then warns in each process)."""
+        share = quantity_bytes(self.worker_memory) // self.slice_topology.chips_per_host // 4
+        cap = 1 << (share.bit_length() - 1) if share > 0 else 0
+        if cap < MIN_PREMAPPED_BYTES:
+            return []
+        return [(name, str(min(int(value), cap))) for name, value in TPU_HOST_TRANSFER_ENV]
 
     def describe(self) -> str:
         t = self.slice_topology

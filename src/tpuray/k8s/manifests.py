@@ -16,7 +16,7 @@ chips per host). What we set versus what the stack sets on its own:
   slice demand to it (`autoscaler_node_labels`).
 - TorchTPU's per-process variables (TPU_VISIBLE_CHIPS, TORCH_TPU_*) are per worker process, set at
   run time by Ray and tpuray.train, not per pod. libtpu's premapped host buffer
-  (`constants.TPU_HOST_TRANSFER_ENV`) is set in the TPU container: torch_tpu reads it as torch loads.
+  (`K8sConfig.host_transfer_env`) is set in the TPU container: torch_tpu reads it as torch loads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from tpuray.constants import POD_TYPE_LABEL, TOPOLOGY_LABEL, TPU_HOST_TRANSFER_ENV, WORKER_ID_LABEL
+from tpuray.constants import POD_TYPE_LABEL, TOPOLOGY_LABEL, WORKER_ID_LABEL
 from tpuray.k8s.config import (
     GKE_ACCELERATOR_LABEL,
     GKE_SPOT_LABEL,
@@ -81,7 +81,7 @@ def tpu_worker_group_spec(cfg: K8sConfig) -> dict[str, Any]:
         "image": cfg.image,
         "imagePullPolicy": "IfNotPresent",
         "resources": _resources(cfg.worker_cpu, cfg.worker_memory, {GKE_TPU_RESOURCE: chips}),
-        "env": [{"name": k, "value": v} for k, v in TPU_HOST_TRANSFER_ENV],  # before torch loads
+        "env": [{"name": k, "value": v} for k, v in cfg.host_transfer_env()],  # read as torch loads
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
     scale = cfg.autoscale
