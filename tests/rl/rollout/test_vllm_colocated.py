@@ -4,6 +4,8 @@ the trainer's ranks (vLLM's external launcher on the trainer's process group).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import _rl_loops
 import pytest
 import ray.cloudpickle
@@ -87,6 +89,7 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
                 assert all(len(r.token_ids) == len(r.logprobs) > 0 for r in sampled)
         return greedy(engine)
 
+    shm_before = set(Path("/dev/shm").glob("tpuray*-cpushm_*"))  # vLLM's CPU groups' shared memory
     rollout = RolloutConfig(a, engine="vllm", max_model_len=64, max_num_seqs=4, dtype="float32")
     rl = RLRun(
         RLConfig(rollout, ScalingConfig(**SCALING), placement="colocated", weight_sync=weight_sync),
@@ -101,7 +104,22 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
     senders = 2 if weight_sync == "object_store" else 1  # in process: each rank's own trainer rank
     assert all(t.freed > 0 for t in result.times) and [t.senders for t in result.times] == [senders] * 2
     assert not alive_actors("TrainWorker")
+    assert set(Path("/dev/shm").glob("tpuray*-cpushm_*")) <= shm_before
     pg_leak_check()
+
+
+def test_the_shared_memory_of_vllms_cpu_groups_is_removed(tmp_path):
+    """vLLM's CPU all-reduce leaves one segment per rank of each group ("<name>_<rank>"); the colocated
+    engine removes the names of its own once every rank has mapped them, whatever characters the names
+    hold, and no other run's."""
+    from tpuray.rl.rollout.vllm_colocated import release_cpu_shm
+
+    ours, other = "tpuray123-tp:0-[0-1]-cpushm", "tpuray456-tp:0-[0-1]-cpushm"
+    for name in (ours, other):
+        for rank in (0, 1):
+            (tmp_path / f"{name}_{rank}").write_bytes(b"x")
+    release_cpu_shm([ours, ours], root=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{other}_0", f"{other}_1"]
 
 
 def test_ranks_disagree_names_the_first_prompt_and_rank_apart():

@@ -21,9 +21,12 @@ backend keeps them, in host memory.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
@@ -41,6 +44,40 @@ from tpuray.serve.llm.generation import PromptEncoder, SamplingParams
 logger = logging.getLogger(__name__)
 
 Generated = tuple[list[int], list[float], str, str | None]  # token ids, their logprobs, text, finish reason
+
+
+@contextlib.contextmanager
+def cpu_shm_names_of_this_run(made: list[str]) -> Iterator[None]:
+    """vLLM's CPU all-reduce names its shared memory after the port of its init method, and the external
+    launcher's "env://" has none: every colocated run on a host would take "-tp:0-[0-1]-cpushm_<rank>",
+    so two runs at once collide, and the segments vLLM leaves behind fail every later start (EEXIST).
+    While vLLM builds its groups, the names start with the trainer group's MASTER_PORT instead (the same
+    on every rank of a run; vLLM checks that the ranks agree); each name is added to `made`."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    original = shm.__dict__["make_group_name"]
+    run = os.environ.get("MASTER_PORT", str(os.getpid()))
+
+    def make_group_name(communicator: Any) -> str:
+        name = f"tpuray{run}-" + original.__func__(communicator).lstrip("/-")
+        made.append(name)
+        return name
+
+    shm.make_group_name = staticmethod(make_group_name)
+    try:
+        yield
+    finally:
+        shm.make_group_name = original
+
+
+def release_cpu_shm(names: Sequence[str], root: Path = Path("/dev/shm")) -> None:
+    """Remove the names of the shared-memory segments of vLLM's CPU groups `names` (one per rank of each,
+    "<name>_<i>"), which vLLM never removes (a killed worker could not anyway). Once every rank has mapped
+    them the names are not needed: each mapping lives until its process unmaps it or ends."""
+    for name in set(names):
+        for path in root.glob(glob.escape(name) + "_*"):
+            path.unlink(missing_ok=True)
 
 
 class HostedVLLM:
@@ -61,14 +98,19 @@ class HostedVLLM:
         self.own_sleep = not current_platform.is_sleep_mode_available()
         default_cpu_kv_cache(engine_args)
         kwargs = {**engine_args, "tensor_parallel_size": world, "enable_sleep_mode": not self.own_sleep}
+        shm_names: list[str] = []
+        names: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if current_platform.is_cpu():
             kwargs.setdefault("enforce_eager", True)
-        self.llm = LLM(
-            path,
-            distributed_executor_backend="external_launcher",
-            worker_extension_cls=EXTENSION,
-            **kwargs,
-        )
+            names = cpu_shm_names_of_this_run(shm_names)
+        with names:
+            self.llm = LLM(
+                path,
+                distributed_executor_backend="external_launcher",
+                worker_extension_cls=EXTENSION,
+                **kwargs,
+            )
+        release_cpu_shm(shm_names)  # every rank has mapped them (vLLM's barrier): nothing left if killed
         self.rank = rank
 
     def info(self) -> dict[str, Any]:
