@@ -6,7 +6,9 @@ An update is two-phase, like the embedded engine's (`embedded_worker`): `tpuray_
 name and shape against the model's config.json with `tpuray.rl.weights.check.check_state` (the one check,
 shared with the embedded engine) and keeps the update; only when every rank staged does
 `tpuray_commit_weights` load it with vLLM's in-place reload (the model's own `load_weights`, whose
-weight loaders fuse q/k/v and gate/up and keep this rank's tensor-parallel part). `tpuray_discard_weights` drops a staged update.
+weight loaders fuse q/k/v and gate/up and keep this rank's tensor-parallel part; a worker that holds the
+whole model gets each tensor already on its device, sent a window ahead: `tpuray.rl.weights.prefetch`).
+`tpuray_discard_weights` drops a staged update.
 A refusal is returned by the stage call, not raised (an error raised by one worker of vLLM's Ray executor
 can come back again from the next `collective_rpc`).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from tpuray.rl.sync.update import resolve_pieces
 from tpuray.rl.weights.buffers import BufferPool
 from tpuray.rl.weights.check import WeightMismatchError, check_state, shapes_of
 from tpuray.rl.weights.join import join_pieces
+from tpuray.rl.weights.prefetch import prefetched
 from tpuray.rl.weights.vllm_layout import SparseParts, vllm_part
 
 EXTENSION = "tpuray.rl.rollout.vllm_worker.WeightsExtension"
@@ -155,12 +158,26 @@ class WeightsExtension:
         staged, self._tpuray_staged = self._tpuray_staged, None
         parts, self._tpuray_parts = self._tpuray_parts, None
         if parts is not None:  # full-shape tensors holding only this rank's blocks: the loaders read those
-            self._tpuray_reload(parts.tensors())
+            self._tpuray_reload(self._tpuray_ahead(parts.tensors()))
         elif staged is not None:
-            self._tpuray_reload(iter(staged.items()))
+            self._tpuray_reload(self._tpuray_ahead(iter(staged.items())))
         else:
             raise RuntimeError("tpuray_commit_weights without a staged update (tpuray_stage_weights first)")
         return sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+
+    def _tpuray_ahead(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The staged host tensors, each sent to the model's device a window ahead of the reload that
+        loads it (tpuray.rl.weights.prefetch), where this worker holds the whole model (tensor-parallel
+        size 1); with more ranks each rank's loaders keep only its part of a tensor, so the host tensors go
+        to the loaders as they are (sending whole tensors would move tensor-parallel-size times the bytes)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() > 1:
+            return weights
+        device = next(self.model_runner.model.parameters()).device  # before the reload moves them to meta
+        return prefetched(weights, device)
 
     def _tpuray_reload(self, weights: Any) -> None:
         """vLLM's in-place reload (its GPU/CPU worker's `reload_weights`); vLLM-TorchTPU's worker has none,
