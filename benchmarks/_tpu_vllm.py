@@ -7,11 +7,13 @@ chip). Each function returns figures; the script reports them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,59 @@ def vllm_figures(engine: Any, weight_bytes: int, hbm_bytes_per_s: float, request
     return out
 
 
+def update_split(engine: Any, state: dict, steps: int) -> dict[str, Any]:
+    """Where `update_weights` goes: the median seconds of its phases, each awaited on the chip (the
+    driver's check of names and shapes; staging on the worker; the commit, vLLM's layer-wise reload; vLLM's
+    prefix-cache reset), and inside the commit the count and seconds of vLLM-TorchTPU's synchronizations
+    (`synchronize_tensors`, one per linear layer after its weight is transposed)."""
+    from _tpu_engine import sync
+
+    from tpuray.rl.weights.check import check_state, shapes_of
+
+    client, run = engine._engine.client, engine._loop.run
+    phases = {
+        "check_s": lambda: check_state(shapes_of(state), engine.model_config),
+        "stage_s": lambda: run(client.collective_rpc("tpuray_stage_tensors", args=(dict(state),))),
+        "commit_s": lambda: run(client.collective_rpc("tpuray_commit_weights")),
+        "reset_s": lambda: run(client.reset_prefix_cache()),
+    }
+    times: dict[str, list[float]] = {k: [] for k in phases}
+    with counted_syncs() as syncs:
+        for _ in range(steps):
+            for k, fn in phases.items():  # stage before commit: each commit loads the update just staged
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                times[k].append(time.perf_counter() - t)
+    per_commit = {k: v / steps for k, v in syncs.items()}
+    return {f"update_{k}": statistics.median(v) for k, v in times.items()} | per_commit
+
+
+@contextlib.contextmanager
+def counted_syncs() -> Iterator[dict[str, float]]:
+    """Counts and times vLLM-TorchTPU's `synchronize_tensors` in its unquantized linear method while the
+    block runs ({"syncs": calls, "sync_s": seconds}; empty where vLLM-TorchTPU is not installed)."""
+    try:
+        from vllm_torchtpu.layers.adapter.quantization import unquantized
+    except ImportError:
+        yield {}
+        return
+    real, seen = unquantized.synchronize_tensors, {"syncs": 0.0, "sync_s": 0.0}
+
+    def timed_sync(*args: Any, **kwargs: Any) -> None:
+        t = time.perf_counter()
+        real(*args, **kwargs)
+        seen["syncs"] += 1
+        seen["sync_s"] += time.perf_counter() - t
+
+    unquantized.synchronize_tensors = timed_sync
+    try:
+        yield seen
+    finally:
+        unquantized.synchronize_tensors = real
+
+
 def vllm_weights(path: Path, state: dict, steps: int, device: str, report: Any) -> dict:
     """A vLLM rollout engine (tpuray.rl.RolloutEngine) on the checkpoint: its start (reported at once; its
     vLLM configuration differs from `vllm`'s serving one, e.g. its worker extension, so vLLM compiles its
@@ -185,6 +240,7 @@ def vllm_weights(path: Path, state: dict, steps: int, device: str, report: Any) 
         out["update_s"] = timed(lambda: engine.update_weights(state), steps)
         out["update_vs_raw"] = out["update_s"] / out["raw_to_device_s"]
         out["update_gb_s"] = nbytes / out["update_s"] / 1e9
+        out |= update_split(engine, state, steps)
         try:
             engine.sleep()
             out["sleep"] = "slept"
