@@ -108,20 +108,6 @@ def test_colocated_vllm_takes_turns_with_the_trainer(
     pg_leak_check()
 
 
-def test_the_shared_memory_of_vllms_cpu_groups_is_removed(tmp_path):
-    """vLLM's CPU all-reduce leaves one segment per rank of each group ("<name>_<rank>"); the colocated
-    engine removes the names of its own once every rank has mapped them, whatever characters the names
-    hold, and no other run's."""
-    from tpuray.rl.rollout.vllm_colocated import release_cpu_shm
-
-    ours, other = "tpuray123-tp:0-[0-1]-cpushm", "tpuray456-tp:0-[0-1]-cpushm"
-    for name in (ours, other):
-        for rank in (0, 1):
-            (tmp_path / f"{name}_{rank}").write_bytes(b"x")
-    release_cpu_shm([ours, ours], root=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{other}_0", f"{other}_1"]
-
-
 def test_ranks_disagree_names_the_first_prompt_and_rank_apart():
     from tpuray.rl.rollout.vllm_colocated import disagreement
 

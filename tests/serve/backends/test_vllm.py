@@ -7,6 +7,7 @@ not installed (`make test` installs it)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vLLM is not installed (pip install 'tpuray[vllm]')"
 )
 
+MODULE_START = time.time()
 API_KEY = "vllm-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 TP4, TP1 = "tiny-tp4", "tiny-tp1"
@@ -179,6 +181,15 @@ def test_vllm_workers_hold_the_slices_chips(app):
         group = f"TPU_group_{info['placement_group_id']}"  # one TPU of the slice's placement group
         assert dict(w.required_resources).get(group) == 1, dict(w.required_resources)
         assert w.address.node_id.hex() in info["bundle_nodes"]
+    # vLLM's CPU all-reduce segments: their names removed once the 4 workers joined them (cpu_shm.py)
+    assert not [p for p in Path("/dev/shm").glob("*-[[]0-1-2-3]-cpushm_*") if _mtime(p) >= MODULE_START]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile
+        return 0.0
 
 
 def _replica_log_lines(app_name: str, model: str) -> list[str]:

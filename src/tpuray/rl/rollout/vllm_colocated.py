@@ -22,11 +22,9 @@ backend keeps them, in host memory.
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
@@ -38,46 +36,13 @@ from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
+from tpuray.serve.llm.engine.vllm.cpu_shm import cpu_shm_names_of_this_run, release_cpu_shm
 from tpuray.serve.llm.engine.vllm.engine import default_cpu_kv_cache
 from tpuray.serve.llm.generation import PromptEncoder, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Generated = tuple[list[int], list[float], str, str | None]  # token ids, their logprobs, text, finish reason
-
-
-@contextlib.contextmanager
-def cpu_shm_names_of_this_run(made: list[str]) -> Iterator[None]:
-    """vLLM's CPU all-reduce names its shared memory after the port of its init method, and the external
-    launcher's "env://" has none: every colocated run on a host would take "-tp:0-[0-1]-cpushm_<rank>",
-    so two runs at once collide, and the segments vLLM leaves behind fail every later start (EEXIST).
-    While vLLM builds its groups, the names start with the trainer group's MASTER_PORT instead (the same
-    on every rank of a run; vLLM checks that the ranks agree); each name is added to `made`."""
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm = cpu_communicator._CPUSHMDistributed
-    original = shm.__dict__["make_group_name"]
-    run = os.environ.get("MASTER_PORT", str(os.getpid()))
-
-    def make_group_name(communicator: Any) -> str:
-        name = f"tpuray{run}-" + original.__func__(communicator).lstrip("/-")
-        made.append(name)
-        return name
-
-    shm.make_group_name = staticmethod(make_group_name)
-    try:
-        yield
-    finally:
-        shm.make_group_name = original
-
-
-def release_cpu_shm(names: Sequence[str], root: Path = Path("/dev/shm")) -> None:
-    """Remove the names of the shared-memory segments of vLLM's CPU groups `names` (one per rank of each,
-    "<name>_<i>"), which vLLM never removes (a killed worker could not anyway). Once every rank has mapped
-    them the names are not needed: each mapping lives until its process unmaps it or ends."""
-    for name in set(names):
-        for path in root.glob(glob.escape(name) + "_*"):
-            path.unlink(missing_ok=True)
 
 
 class HostedVLLM:
