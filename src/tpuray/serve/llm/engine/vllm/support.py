@@ -87,7 +87,7 @@ def dtype_problem(asked: Any, resolved: Any, platform: str) -> str | None:
 
 def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
     """Why "auto" runs the embedded engine here although vLLM is installed; None where vLLM runs. On
-    vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure but one
+    vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure but two
     (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles nothing while serving and sleeps for RL
     (vLLM's sleep mode is refused there); `switch` (serving's llm_engine='vLLM', RL's engine='vllm')
     still selects vLLM there."""
@@ -98,6 +98,7 @@ def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
         return None
     return (
         f"on {platform} (vLLM-TorchTPU) the embedded engine decodes faster (batch 1, batch 32, mixed "
-        "requests), compiles nothing while serving and sleeps (vLLM's sleep mode is refused there); "
-        f"vLLM's prompt (TTFT) is faster: set {switch} to run vLLM"
+        "requests), starts again faster, compiles nothing while serving and sleeps (vLLM's sleep mode is "
+        "refused there); vLLM's prompt (TTFT) and its first start with an empty compilation cache are "
+        f"faster: set {switch} to run vLLM"
     )
