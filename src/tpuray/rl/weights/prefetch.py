@@ -2,8 +2,9 @@
 each tensor's host-to-device copy (`non_blocking`) up to a window of bytes before the loader asks for it,
 so the link moves the next tensors while the loader (vLLM's layer-wise reload: a layer's buffers, its
 weight loaders, the backend's processing, a copy into the weights the compiled programs hold) works on the
-ones before. The window bounds the device memory the early copies hold. On a CPU the device is the host:
-each tensor is handed on as it is (`Tensor.to` copies nothing)."""
+ones before. The window bounds the device memory the early copies hold. When the last tensor has been
+taken, it waits for the device: the host tensors may be reused or changed once the loader is done. On a
+CPU the device is the host: each tensor is handed on as it is (`Tensor.to` copies nothing)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,17 @@ def prefetched(
             ahead.append((name, t.to(device, non_blocking=True), nbytes))
             sent += nbytes
         if not ahead:
+            _wait_for(device)  # every copy landed before the caller may reuse or change the host tensors
             return
         name, t, nbytes = ahead.popleft()
         sent -= nbytes
         yield name, t
+
+
+def _wait_for(device: torch.device) -> None:
+    """Waits for the work queued on `device` where it is this process's accelerator (a CPU or a meta
+    device has nothing in flight)."""
+    if torch.accelerator.is_available():
+        current = torch.accelerator.current_accelerator()
+        if current is not None and current.type == device.type:
+            torch.accelerator.synchronize(device)
