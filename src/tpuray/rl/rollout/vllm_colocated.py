@@ -68,14 +68,16 @@ class HostedVLLM:
         if current_platform.is_cpu():
             kwargs.setdefault("enforce_eager", True)
             names = cpu_shm_names_of_this_run(shm_names)
-        with names:
-            self.llm = LLM(
-                path,
-                distributed_executor_backend="external_launcher",
-                worker_extension_cls=EXTENSION,
-                **kwargs,
-            )
-        release_cpu_shm(shm_names)  # every rank has mapped them (vLLM's barrier): nothing left if killed
+        try:
+            with names:
+                self.llm = LLM(
+                    path,
+                    distributed_executor_backend="external_launcher",
+                    worker_extension_cls=EXTENSION,
+                    **kwargs,
+                )
+        finally:  # started: every rank has mapped them (vLLM's barrier); failed: nobody will
+            release_cpu_shm(shm_names)
         self.rank = rank
 
     def info(self) -> dict[str, Any]:

@@ -47,9 +47,13 @@ def cpu_shm_names_of_this_run(made: list[str]) -> Iterator[None]:
     launcher's empty ident; each name is added to `made`."""
     from vllm.distributed.device_communicators import cpu_communicator
 
+    run = os.environ.get("MASTER_PORT", "")
+    if not run:  # each rank's own stand-in would disagree, and vLLM would drop its shared memory unsaid
+        raise RuntimeError(
+            "colocated vLLM names its CPU groups' shared memory by MASTER_PORT, which is unset"
+        )
     shm = cpu_communicator._CPUSHMDistributed
     original = shm.__dict__["make_group_name"]
-    run = os.environ.get("MASTER_PORT", str(os.getpid()))
 
     def make_group_name(communicator: Any) -> str:
         name = f"tpuray{run}-" + original.__func__(communicator).lstrip("/-")
