@@ -14,6 +14,6 @@ export TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS=false TORCHINDUCTOR_AUT
 # compiled programs of both engines, kept for the next start (tpuray.serve.llm.engine.compile_cache)
 export TPURAY_COMPILE_CACHE=${TPURAY_COMPILE_CACHE:-$TPURAY_VM_ROOT/compile-cache}
 # libtpu's premapped host buffer (tpuray.constants.TPU_HOST_TRANSFER_ENV): torch_tpu hands it to libtpu as
-# torch loads; unset, every host-to-chip copy takes libtpu's slow staged path (2.2 GB: 2.73 s vs 0.26 s)
+# torch loads; unset, every host-to-chip copy takes libtpu's slow staged path (docs/configuration.md)
 export TPU_PREMAPPED_BUFFER_SIZE=${TPU_PREMAPPED_BUFFER_SIZE:-4294967296}
 export TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=${TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES:-4294967296}

@@ -64,9 +64,9 @@ TORCH_TPU_TOPOLOGY_ENV = "TORCH_TPU_TOPOLOGY"
 TORCH_TPU_SLICEBUILDER_ADDRESSES_ENV = "TORCH_TPU_SLICEBUILDER_ADDRESSES"
 TORCH_TPU_DEVICES_PER_HOST_ENV = "TORCH_TPU_DEVICES_PER_HOST"  # tpu_dist: ranks per host (LOCAL_RANK < it)
 # libtpu's premapped (pinned, DMA-mapped) host buffer, which torch_tpu hands libtpu once, at `import torch`:
-# unset, it passes 0 bytes and every host-to-chip copy takes libtpu's staged slow path. On a v5e
-# (bench_real_tpu.py h2d, a 2.2 GB bf16 state dict) 2.73 s unset, 0.26 s with these settings. Set on TPU
-# hosts before torch loads (tpu-vm/env.sh; tpuray.k8s's TPU pods, within their memory); tpuray warns where unset.
+# unset, it passes 0 bytes and every host-to-chip copy takes libtpu's staged slow path (measured:
+# docs/configuration.md). Set on TPU hosts before torch loads (tpu-vm/env.sh repeats these values;
+# tpuray.k8s's TPU pods, within their memory); tpuray warns where unset.
 TPU_PREMAPPED_BUFFER_SIZE_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 TPU_PREMAPPED_THRESHOLD_ENV = (
     "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"  # largest copy staged through it
@@ -87,6 +87,7 @@ MASTER_PORT_ENV = "MASTER_PORT"
 RAY_SUBHOST_BOUNDS_ENV = ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
 
 # -- tpuray's own environment variables ------------------------------------------------------------------
+TORCH_TRACE_ENV = "TORCH_TRACE"  # torch's structured trace; torch_tpu's lowering then keeps MLIR tracebacks
 EMULATION_ENV = "TPURAY_EMULATION"  # "1" on every emulated TPU host: the only switch that emulates
 TORCH_TPU_PROBE_ENV = "TPURAY_TORCH_TPU_USABLE"  # the emulator's torch_tpu probe result, for its hosts
 RESERVE_TIMEOUT_ENV = "TPURAY_TRAIN_RESERVE_TIMEOUT_S"

@@ -101,7 +101,7 @@ def test_the_emulated_torch_tpu_is_not_taken_for_a_real_one() -> None:
     assert not r["installed"] and not r["usable"] and r["emulated"] and r["dist"] == "initialised"
 
 
-@pytest.mark.parametrize("size", [None, "", "0"])
+@pytest.mark.parametrize("size", [None, "", "0", "4G", "-1"])
 def test_a_real_tpu_without_the_premapped_buffer_is_told_what_to_set(size):
     environ = {} if size is None else {"TPU_PREMAPPED_BUFFER_SIZE": size}
     hint = detect.host_transfer_hint(environ)

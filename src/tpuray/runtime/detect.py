@@ -92,14 +92,15 @@ def emulation_blocked_reason() -> str | None:
 
 def host_transfer_hint(environ: Mapping[str, str]) -> str | None:
     """What to set where libtpu's premapped host buffer is off in `environ` (a real TorchTPU's process
-    environment; torch_tpu read it at `import torch`), or None where it is set."""
+    environment; torch_tpu read it at `import torch`), or None where it is a positive number of bytes."""
     size = environ.get(TPU_PREMAPPED_BUFFER_SIZE_ENV, "").strip()
-    if size not in ("", "0"):
+    if size.isdigit() and int(size) > 0:
         return None
     settings = " ".join(f"{k}={v}" for k, v in TPU_HOST_TRANSFER_ENV)
+    state = "unset" if not size else f"{size!r}, not a positive number of bytes"
     return (
-        f"{TPU_PREMAPPED_BUFFER_SIZE_ENV} is {size or 'unset'}: libtpu has no premapped host buffer, so "
-        "every host-to-chip copy (weights, KV cache, RL updates) takes its slow staged path (~10x slower "
-        f"on a v5e). Set {settings} in the environment before torch is imported (tpu-vm/env.sh and "
-        "tpuray's KubeRay manifests do; for Ray workers started otherwise, in the host's environment)"
+        f"{TPU_PREMAPPED_BUFFER_SIZE_ENV} is {state}: libtpu has no premapped host buffer, so every "
+        "host-to-chip copy (weights, KV cache, RL updates) takes its slow staged path (docs/configuration.md). "
+        f"Set {settings} in the environment before torch is imported (tpu-vm/env.sh does; tpuray's KubeRay "
+        "manifests do where worker_memory leaves room; elsewhere, in the host's environment)"
     )

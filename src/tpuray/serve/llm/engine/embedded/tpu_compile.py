@@ -34,6 +34,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tpuray.constants import TORCH_TRACE_ENV
+
 DONATING = ("tpu-donate",)
 TESTED_TORCH_TPU = "0.2.0"
 
@@ -93,7 +95,7 @@ def donating_backend(
     if name not in DONATING:
         raise ValueError(f"unknown donating backend {name!r}; expected one of {DONATING}")
     execution_mode, tpu_backend, compiler_module, state = _torch_tpu_internals(name)
-    mlir_tracebacks = mlir_tracebacks or bool(os.environ.get("TORCH_TRACE"))
+    mlir_tracebacks = mlir_tracebacks or bool(os.environ.get(TORCH_TRACE_ENV))
 
     def backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
