@@ -188,7 +188,7 @@ class StepPrograms:
             if self.store is not None and name not in self._programs:
                 start = time.perf_counter()
                 program = self._load(kind, name, args)
-                how = "loaded" if program is not None else "compiled"
+                how = "loaded" if program is not None else "submitted" if self.async_compile else "compiled"
                 self._programs[name] = program or self._compile(kind, name, args, True)
                 logger.info(
                     "warm-up: program %d of %d (%s) %s in %.1f s",
