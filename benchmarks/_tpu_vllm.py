@@ -166,10 +166,12 @@ def vllm_figures(engine: Any, weight_bytes: int, hbm_bytes_per_s: float, request
 
 
 def update_split(engine: Any, state: dict, steps: int) -> dict[str, Any]:
-    """Where `update_weights` goes: the median seconds of its phases, each awaited on the chip (the
-    driver's check of names and shapes; staging on the worker; the commit, vLLM's layer-wise reload; vLLM's
-    prefix-cache reset), and inside the commit the count and seconds of vLLM-TorchTPU's synchronizations
-    (`synchronize_tensors`, one per linear layer after its weight is transposed)."""
+    """Where `update_weights` goes on an in-process engine (the VM's: a state dict staged as tensors, as
+    `VLLMRolloutEngine._load_update` does there): the median seconds of its phases, each awaited on the
+    chip (the driver's check of names and shapes; staging on the worker; the commit, vLLM's layer-wise
+    reload; vLLM's prefix-cache reset), and inside the commit the count and seconds of vLLM-TorchTPU's
+    synchronizations (`synchronize_tensors`, one per linear layer after its weight is transposed; means
+    per commit)."""
     from _tpu_engine import sync
 
     from tpuray.rl.weights.check import check_state, shapes_of

@@ -99,6 +99,6 @@ def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
     return (
         f"on {platform} (vLLM-TorchTPU) the embedded engine decodes faster (batch 1, batch 32, mixed "
         "requests), starts again faster, compiles nothing while serving and sleeps (vLLM's sleep mode is "
-        "refused there); vLLM's prompt (TTFT) and its first start with an empty compilation cache are "
-        f"faster: set {switch} to run vLLM"
+        "refused there); vLLM's prompt (TTFT) is faster, and its first start with an empty compilation "
+        f"cache slightly: set {switch} to run vLLM"
     )
