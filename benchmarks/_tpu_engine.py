@@ -23,22 +23,21 @@ def sync() -> None:
         torch.accelerator.synchronize()
 
 
+def synced(fn) -> tuple[float, object]:
+    """(seconds of one call of `fn`, the device awaited before and after it; its result)."""
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t, out
+
+
 def first_and_median(fn, steps: int, first_context=contextlib.nullcontext) -> tuple[float, float, object]:
     """(seconds of the first call, run inside `first_context()`, compiling where it must; the median ms
     of `steps` calls after it; the first call's result), the device awaited around each call."""
-    sync()
-    t = time.perf_counter()
     with first_context():
-        out = fn()
-    sync()
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(steps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
+        first, out = synced(fn)
+    times = [synced(fn)[0] for _ in range(steps)]
     return first, statistics.median(times) * 1e3, out
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _tpu_engine import sync
+from _tpu_engine import sync, synced
 
 Report = Callable[..., None]
 SIZE_ENV, THRESHOLD_ENV = "TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES"
@@ -348,11 +348,7 @@ def measure(name: str, case: Case) -> dict[str, Any]:
     figure (its type and message)."""
     try:
         run, figures = PATHS[name](case)
-        sync()
-        t0 = time.perf_counter()
-        landed = run()
-        sync()
-        seconds = time.perf_counter() - t0
+        seconds, landed = synced(run)
         if landed.unpack is not None:
             t1 = time.perf_counter()
             landed = landed.unpack()

@@ -172,7 +172,7 @@ def update_split(engine: Any, state: dict, steps: int) -> dict[str, Any]:
     reload; vLLM's prefix-cache reset), and inside the commit the count and seconds of vLLM-TorchTPU's
     synchronizations (`synchronize_tensors`, one per linear layer after its weight is transposed; means
     per commit)."""
-    from _tpu_engine import sync
+    from _tpu_engine import synced
 
     from tpuray.rl.weights.check import check_state, shapes_of
 
@@ -187,11 +187,7 @@ def update_split(engine: Any, state: dict, steps: int) -> dict[str, Any]:
     with counted_syncs() as syncs:
         for _ in range(steps):
             for k, fn in phases.items():  # stage before commit: each commit loads the update just staged
-                sync()
-                t = time.perf_counter()
-                fn()
-                sync()
-                times[k].append(time.perf_counter() - t)
+                times[k].append(synced(fn)[0])
     per_commit = {k: v / steps for k, v in syncs.items()}
     return {f"update_{k}": statistics.median(v) for k, v in times.items()} | per_commit
 
