@@ -75,6 +75,7 @@ TPU_HOST_TRANSFER_ENV = (
     (TPU_PREMAPPED_BUFFER_SIZE_ENV, str(4 << 30)),
     (TPU_PREMAPPED_THRESHOLD_ENV, str(4 << 30)),
 )
+TORCH_TRACE_ENV = "TORCH_TRACE"  # torch's structured trace; torch_tpu's lowering then keeps MLIR tracebacks
 # Read by torch_tpu's launcher (`torch.tpu.distributed.set_tpu_launch_env`), never set by tpuray.
 JOB_COMPLETION_INDEX_ENV = "JOB_COMPLETION_INDEX"
 TORCH_TPU_BASE_PORT_ENV = "TORCH_TPU_BASE_PORT"
@@ -87,7 +88,6 @@ MASTER_PORT_ENV = "MASTER_PORT"
 RAY_SUBHOST_BOUNDS_ENV = ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
 
 # -- tpuray's own environment variables ------------------------------------------------------------------
-TORCH_TRACE_ENV = "TORCH_TRACE"  # torch's structured trace; torch_tpu's lowering then keeps MLIR tracebacks
 EMULATION_ENV = "TPURAY_EMULATION"  # "1" on every emulated TPU host: the only switch that emulates
 TORCH_TPU_PROBE_ENV = "TPURAY_TORCH_TPU_USABLE"  # the emulator's torch_tpu probe result, for its hosts
 RESERVE_TIMEOUT_ENV = "TPURAY_TRAIN_RESERVE_TIMEOUT_S"

@@ -35,9 +35,8 @@ def release_engine_cpu_shm(ident: str, root: Path = SHM_ROOT) -> None:
     (vLLM's VLLM_DIST_IDENT); nothing for an ident without a port of its own."""
     ident = ident.strip("/")
     if ident:
-        release_cpu_shm(
-            [p.name.rsplit("_", 1)[0] for p in root.glob(f"{glob.escape(ident)}-*-cpushm_*")], root
-        )
+        for path in root.glob(f"{glob.escape(ident)}-*-cpushm_*"):
+            path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
