@@ -138,7 +138,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         compile=True if args.device == "tpu" else None,
         compile_backend=backend,
         load_workers=args.load_workers,
-        async_compile=args.async_compile,
+        async_compile={"auto": None, "on": True, "off": False}[args.async_compile],
         **options,
     )
     load_s = time.perf_counter() - t0
@@ -156,7 +156,7 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         programs=built,
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,
-        async_compile=args.async_compile,
+        async_compile=bool(runner.programs and runner.programs.async_compile),
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
@@ -436,8 +436,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--async-compile",
-        action="store_true",
-        help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="engine: torch_tpu lowers and compiles the programs in background threads (runner.py; "
+        "auto: where it applies)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
     h2d.add_options(ap)

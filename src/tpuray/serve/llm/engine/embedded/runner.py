@@ -149,8 +149,9 @@ class ModelRunner:
     before the previous one is read back (async scheduling: `launch`, then `collect`). Without it steps run eagerly at their exact sizes (`static_shapes=True` pads them
     anyway: the compiled runner's inputs without the compiler; `buckets` replaces the default sizes).
     Where a compiled runner finds its programs saved (programs.py), `load_workers` threads read them at
-    warm-up (1: each one at its first call); `async_compile` (with "tpu-donate") has torch_tpu lower and
-    compile the missing ones in background threads while the next is traced."""
+    warm-up (1: each one at its first call); `async_compile` has torch_tpu lower and compile the missing
+    ones in background threads while the next is traced (None: where it applies, the "tpu-donate"
+    backend on one chip with the compilation cache on; False: one by one)."""
 
     def __init__(
         self,
@@ -170,7 +171,7 @@ class ModelRunner:
         kv_write: KVWrite = "auto",
         decode_attention: Literal["auto", "sdpa", "matmul"] = "auto",
         load_workers: int = 1,
-        async_compile: bool = False,
+        async_compile: bool | None = None,
     ):
         if not isinstance(load_workers, int) or load_workers < 1:
             raise ValueError(f"load_workers={load_workers!r} is not valid; valid: an integer >= 1")
@@ -233,7 +234,7 @@ class ModelRunner:
         """Programs read whole from the host's compilation cache instead of compiled."""
         return self.programs.loaded if self.programs else 0
 
-    def _compile(self, backend_name: str, path: str, kv_write: str, async_compile: bool) -> None:
+    def _compile(self, backend_name: str, path: str, kv_write: str, async_compile: bool | None) -> None:
         from torch._dynamo import config as dynamo_config
 
         # one Dynamo cache entry per bucket (where Dynamo dispatches): raise its limits (default 8)
