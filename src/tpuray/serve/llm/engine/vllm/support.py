@@ -87,7 +87,7 @@ def dtype_problem(asked: Any, resolved: Any, platform: str) -> str | None:
 
 def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
     """Why "auto" runs the embedded engine here although vLLM is installed; None where vLLM runs. On
-    vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure but two
+    vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure
     (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles nothing while serving and sleeps for RL
     (vLLM's sleep mode is refused there); `switch` (serving's llm_engine='vLLM', RL's engine='vllm')
     still selects vLLM there."""
@@ -98,7 +98,6 @@ def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
         return None
     return (
         f"on {platform} (vLLM-TorchTPU) the embedded engine decodes faster (batch 1, batch 32, mixed "
-        "requests), starts again faster, compiles nothing while serving and sleeps (vLLM's sleep mode is "
-        "refused there); vLLM's prompt (TTFT) is faster, and its first start with an empty compilation "
-        f"cache slightly: set {switch} to run vLLM"
+        "requests), answers a prompt faster, starts faster (first and again), compiles nothing while "
+        f"serving and sleeps (vLLM's sleep mode is refused there): set {switch} to run vLLM"
     )
