@@ -25,6 +25,7 @@ from pathlib import Path
 
 import _tpu_h2d as h2d
 import torch
+from _stacks import Sampler
 from _tpu_engine import (
     bench_kv_write,
     decode_rate,
@@ -442,6 +443,13 @@ def main() -> None:
         "auto: where it applies)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
+    ap.add_argument(
+        "--sample-stacks",
+        default=None,
+        metavar="PATH",
+        help="sample every thread's Python stack each 20 ms and write them to PATH at the end "
+        "(read: python3 benchmarks/_stacks.py PATH)",
+    )
     h2d.add_options(ap)
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
@@ -465,7 +473,12 @@ def main() -> None:
         "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
         "scan-probe": lambda a: scan_probe(a, report, checkpoint),
     }
-    commands[args.what](args)
+    sampler = Sampler(args.sample_stacks) if args.sample_stacks else None
+    try:
+        commands[args.what](args)
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 if __name__ == "__main__":
