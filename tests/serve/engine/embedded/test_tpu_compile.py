@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
-from tpuray.serve.llm.engine.embedded.tpu_compile import _without_tracebacks, lookup
+from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch_tpu") is not None,
@@ -34,24 +34,3 @@ def test_default_backend_per_device():
     tpu = SimpleNamespace(type="tpu")  # the device's type is all it reads; no runtime activated here
     assert default_backend(tpu, 4) == "tpu"  # tensor parallel: programs with collectives
     assert lookup("eager") is not None  # any Dynamo backend name passes through
-
-
-def test_lowering_runs_with_tracebacks_off_and_restores_them_after_an_error():
-    """The donating backend's lowering pushes torch_tpu's "tracebacks off" state around each graph, in the
-    thread that lowers it, and pops it even when the lowering fails (a stand-in for torch_tpu's state
-    stack: the real one exists only with torch_tpu)."""
-    stack: list[bool] = []
-    state = SimpleNamespace(push_enable_tracebacks=stack.append, pop_enable_tracebacks=stack.pop)
-    seen = []
-
-    def lower(graph):
-        seen.append(list(stack))
-        if graph == "bad":
-            raise RuntimeError("lowering failed")
-        return graph
-
-    quiet = _without_tracebacks(lower, state)
-    assert quiet("g") == "g" and seen == [[False]] and stack == []
-    with pytest.raises(RuntimeError, match="lowering failed"):
-        quiet("bad")
-    assert stack == []

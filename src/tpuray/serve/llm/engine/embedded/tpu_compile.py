@@ -18,9 +18,7 @@ Its programs serialize as torch_tpu's own backend's do (a `SerializableAOTDispat
 torch_tpu's `CompiledArtifact`), so the runner saves them whole (programs.py).
 
 It lowers without the MLIR location tracebacks torch_tpu otherwise captures for every op of a compiled
-graph (file and line of each op, for its error messages; kept where TORCH_TRACE asks for torch_tpu's
-trace): on the v5e (`bench_real_tpu.py scan-probe --dims 1b-hd128`) a step program's first call took
-0.50-0.55x the time without them (decode 6.5 s against 13.2 s), its step time 0.97-1.01x.
+graph (engine/tpu_lowering.py: a step program's first call 0.50-0.55x on the v5e).
 
 Uses torch_tpu internals (`torch_tpu._internal.compile`, written against 0.2.0); where they are missing
 the backend raises ImportError naming the version. Graphs with collectives (tensor parallelism) are
@@ -29,12 +27,10 @@ refused: torch_tpu splits those with a compiler that does not take donations.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tpuray.constants import TORCH_TRACE_ENV
+from tpuray.serve.llm.engine.tpu_lowering import tracebacks_kept, without_tracebacks
 
 DONATING = ("tpu-donate",)
 TESTED_TORCH_TPU = "0.2.0"
@@ -51,21 +47,6 @@ def _torch_tpu_internals(name: str) -> tuple[Any, Any, Any, Any]:
             "use compile_backend='tpu', or leave it unset off a TPU"
         ) from e
     return execution_mode, tpu_backend, compiler, tpu_torch_compile
-
-
-def _without_tracebacks(lower: Callable[..., Any], state: Any) -> Callable[..., Any]:
-    """`lower` (torch_tpu's lowering and compilation of one graph) with MLIR tracebacks off in the thread
-    that runs it (torch_tpu's async compiler lowers in threads of its own)."""
-
-    @functools.wraps(lower)
-    def quiet(*args: Any, **kwargs: Any) -> Any:
-        state.push_enable_tracebacks(False)
-        try:
-            return lower(*args, **kwargs)
-        finally:
-            state.pop_enable_tracebacks()
-
-    return quiet
 
 
 def _mutated_inputs(graph: Any) -> list[int]:
@@ -95,7 +76,7 @@ def donating_backend(
     if name not in DONATING:
         raise ValueError(f"unknown donating backend {name!r}; expected one of {DONATING}")
     execution_mode, tpu_backend, compiler_module, state = _torch_tpu_internals(name)
-    mlir_tracebacks = mlir_tracebacks or bool(os.environ.get(TORCH_TRACE_ENV))
+    mlir_tracebacks = mlir_tracebacks or tracebacks_kept()
 
     def backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
@@ -107,7 +88,7 @@ def donating_backend(
             raise NotImplementedError(f"compile_backend={name!r} compiles single-chip programs only")
         compiler = compiler_module.StaticCompiler(async_compile=async_compile)
         if not mlir_tracebacks:
-            compiler._compile = _without_tracebacks(compiler._compile, state)
+            compiler._compile = without_tracebacks(compiler._compile, state)
         compiler.execute_pre_grad_passes(gm)
 
         def forward(graph: Any, inputs: Sequence[Any]) -> Any:

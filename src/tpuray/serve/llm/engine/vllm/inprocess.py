@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from tpuray.serve.llm.engine.tpu_lowering import tracebacks_off_in_this_thread
+
 logger = logging.getLogger(__name__)
 
 # InprocClient methods AsyncLLM calls as `<name>_async`, run on the engine core's thread.
@@ -107,7 +109,10 @@ class AsyncInprocClient:
 
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
-        self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine-core")
+        # vLLM-TorchTPU lowers every graph in this thread: without MLIR tracebacks (tpu_lowering.py)
+        self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="vllm-engine-core", initializer=tracebacks_off_in_this_thread
+        )
         self._work: asyncio.Event | None = None
         try:
             self._core = self._thread.submit(InprocClient, vllm_config, executor_class, log_stats).result()
