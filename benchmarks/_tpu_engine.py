@@ -309,6 +309,39 @@ def prefill_split(runner, prompt_len: int, steps: int) -> dict:
     )
 
 
+def bench_prefill(args, report, checkpoint) -> None:
+    """Where a prompt's time to first token goes (`prefill_split`), for prompts of --prompt-lens tokens,
+    and a decode step's (`decode_split`) for --decode-batches rows at --decode-positions (each row's
+    position: its context bucket): what each bucket costs, to weigh a bucket's compile at start against
+    the padding without it. The engine compiles only the shapes measured (no warm-up)."""
+    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
+
+    path, _ = checkpoint(args)
+    runner = ModelRunner(
+        str(path),
+        max_num_seqs=32,
+        max_model_len=args.max_model_len,
+        dtype="bfloat16",
+        device=args.device,
+        compile=True if args.device == "tpu" else None,
+        compile_backend=args.compile_backend.split(",")[0] if args.device == "tpu" else None,
+    )
+    for prompt_len in _ints(args.prompt_lens):
+        report("prefill_split", backend=runner.backend, **prefill_split(runner, prompt_len, args.steps))
+    for pos in _ints(args.decode_positions):
+        for batch in _ints(args.decode_batches):
+            report(
+                "decode_split",
+                backend=runner.backend,
+                pos=pos,
+                **decode_split(runner, batch, args.steps, pos),
+            )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def bench_kv_write(args, report) -> None:
     """What writing one token per sequence into a KV cache costs on the device (ms): an eager indexed
     write into a stacked [layers, slots + 1, len, kv_heads, head_dim] cache (in place if torch_tpu

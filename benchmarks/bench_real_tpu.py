@@ -28,11 +28,11 @@ import torch
 from _stacks import Sampler
 from _tpu_engine import (
     bench_kv_write,
+    bench_prefill,
     decode_rate,
     decode_split,
     greedy_tokens,
     loop_rate,
-    prefill_split,
     serve_mixed,
     sync,
     timed,
@@ -248,25 +248,6 @@ def bench_vllm_weights(args) -> None:
     report("vllm_weights", **vllm_weights(path, state, args.steps, args.device, report))
 
 
-def bench_prefill(args) -> None:
-    """Where a prompt's time to first token goes (`prefill_split`), for prompts of 128 and 512 tokens:
-    the engine compiles only the shapes measured (no warm-up)."""
-    from tpuray.serve.llm.engine.embedded.runner import ModelRunner
-
-    path, _ = checkpoint(args)
-    runner = ModelRunner(
-        str(path),
-        max_num_seqs=32,
-        max_model_len=args.max_model_len,
-        dtype="bfloat16",
-        device=args.device,
-        compile=True if args.device == "tpu" else None,
-        compile_backend=args.compile_backend.split(",")[0] if args.device == "tpu" else None,
-    )
-    for prompt_len in (128, min(512, args.max_model_len - 1)):
-        report("prefill_split", backend=runner.backend, **prefill_split(runner, prompt_len, args.steps))
-
-
 # -- RL: the rollout engine's weight updates and sleep / wake-up ---------------------------------------------
 def bench_weights(args) -> None:
     """A one-chip rollout engine (`tpuray.rl.rollout.embedded_worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
@@ -443,6 +424,9 @@ def main() -> None:
         "auto: where it applies)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
+    ap.add_argument("--prompt-lens", default="128,512", help="prefill: prompt lengths (comma-separated)")
+    ap.add_argument("--decode-batches", default="", help="prefill: decode batch sizes to split too (1,2,4)")
+    ap.add_argument("--decode-positions", default="40", help="prefill: each decode row's position (40,600)")
     ap.add_argument(
         "--sample-stacks",
         default=None,
@@ -464,7 +448,8 @@ def main() -> None:
         imported_s = since_process_start()  # Python, torch and this script's imports
         mode = activate()
         report("runtime", mode=mode, imported_s=imported_s, activated_s=since_process_start())
-    commands = {"engine": bench_engine, "prefill": bench_prefill, "vllm": bench_vllm}
+    commands = {"engine": bench_engine, "prefill": lambda a: bench_prefill(a, report, checkpoint)}
+    commands["vllm"] = bench_vllm
     commands["vllm-weights"] = bench_vllm_weights
     commands |= {
         "train": lambda a: bench_train(a, report),
