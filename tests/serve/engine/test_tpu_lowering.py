@@ -4,13 +4,19 @@ switch's stack is balanced, and nothing is switched without torch_tpu or where T
 from __future__ import annotations
 
 import importlib.util
+import sys
 import threading
-from types import SimpleNamespace
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from tpuray.constants import TORCH_TRACE_ENV
-from tpuray.serve.llm.engine.tpu_lowering import tracebacks_off_in_this_thread, without_tracebacks
+from tpuray.serve.llm.engine.tpu_lowering import (
+    tracebacks_off,
+    tracebacks_off_in_this_thread,
+    without_tracebacks,
+)
 
 no_torch_tpu = pytest.mark.skipif(
     importlib.util.find_spec("torch_tpu") is not None,
@@ -52,3 +58,41 @@ def test_a_thread_without_torch_tpu_is_left_as_it_is(monkeypatch):
 def test_torch_trace_keeps_the_tracebacks(monkeypatch):
     monkeypatch.setenv(TORCH_TRACE_ENV, "/tmp/trace")
     assert tracebacks_off_in_this_thread() is False
+
+
+def _stand_in_torch_tpu(monkeypatch, push) -> list[bool]:
+    """torch_tpu's switch module as a stand-in (the real one exists only with torch_tpu); returns its stack."""
+    stack: list[bool] = []
+    state = ModuleType("torch_tpu._internal.compile.tpu_torch_compile")
+    state.push_enable_tracebacks = push or stack.append  # type: ignore[attr-defined]
+    state.pop_enable_tracebacks = stack.pop  # type: ignore[attr-defined]
+    parts = ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.compile")
+    for name in parts:
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setattr(sys.modules["torch_tpu._internal.compile"], "tpu_torch_compile", state, raising=False)
+    monkeypatch.setitem(sys.modules, state.__name__, state)
+    monkeypatch.delenv(TORCH_TRACE_ENV, raising=False)
+    return stack
+
+
+def test_a_switch_that_fails_leaves_the_pool_working(monkeypatch, caplog):
+    """Another torch_tpu whose switch raises: the tracebacks stay, with a warning, and the engine core's
+    thread pool (whose initializer this is) still runs its work."""
+
+    def push(_):
+        raise TypeError("push_enable_tracebacks() takes no arguments")
+
+    _stand_in_torch_tpu(monkeypatch, push)
+    with ThreadPoolExecutor(1, initializer=tracebacks_off_in_this_thread) as pool:
+        assert pool.submit(lambda: 42).result() == 42
+    assert "MLIR tracebacks stay on (TypeError" in caplog.text
+
+
+def test_the_context_switches_them_off_and_back(monkeypatch):
+    stack = _stand_in_torch_tpu(monkeypatch, None)
+    with tracebacks_off():
+        assert stack == [False]
+    assert stack == []
+    with pytest.raises(RuntimeError), tracebacks_off():
+        raise RuntimeError("lowering failed")
+    assert stack == []
