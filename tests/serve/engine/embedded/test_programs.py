@@ -116,5 +116,9 @@ def test_with_the_cache_off_nothing_is_saved(tiny_model_dir, tmp_path, monkeypat
 
 
 def test_load_workers_and_async_compile_are_refused_on_an_eager_runner(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"load_workers=2 and async_compile=None apply to a compiled runner"):
+    with pytest.raises(ValueError, match=r"^load_workers=2 applies to a compiled runner"):
         ModelRunner(tiny_model_dir, max_num_seqs=1, max_model_len=32, load_workers=2)
+    with pytest.raises(
+        ValueError, match=r"^load_workers=2 and async_compile=True apply to a compiled runner"
+    ):
+        ModelRunner(tiny_model_dir, max_num_seqs=1, max_model_len=32, load_workers=2, async_compile=True)

@@ -110,7 +110,7 @@ class StepPrograms:
     ):
         savable = backend_name in SAVABLE_BACKENDS
         self.store = ProgramStore.for_key(store_key) if store_key is not None and savable else None
-        if async_compile is None:  # on where it applies: a first start on the v5e took 237 s, not 340 s
+        if async_compile is None:  # on where it applies (docs/real-tpu.md: the first start it shortens)
             async_compile = backend_name in ASYNC_BACKENDS and self.store is not None
         if async_compile and (backend_name not in ASYNC_BACKENDS or self.store is None):
             raise ValueError(

@@ -193,10 +193,12 @@ class ModelRunner:
         min_rows = DENSE_WRITE_MIN_ROWS if kv_write == "auto" else 1
         self.steps = StepFunctions(self.model, self.cache, last_ids, chosen, min_rows)
         self.compiled = real_tpu if compile is None else compile
-        if not self.compiled and (load_workers != 1 or async_compile):
+        given = [f"load_workers={load_workers!r}"] if load_workers != 1 else []
+        given += [f"async_compile={async_compile!r}"] if async_compile else []
+        if not self.compiled and given:
             raise ValueError(
-                f"load_workers={load_workers!r} and async_compile={async_compile!r} apply to a compiled runner; "
-                f"this one runs eagerly (compile={compile!r} on {device!r}): leave them unset"
+                f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to a compiled runner; this one runs eagerly "
+                f"(compile={compile!r} on {device!r}): leave them unset"
             )
         padded = self.compiled or static_shapes
         if buckets is None:
