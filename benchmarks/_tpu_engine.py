@@ -326,20 +326,16 @@ def bench_prefill(args, report, checkpoint) -> None:
         compile=True if args.device == "tpu" else None,
         compile_backend=args.compile_backend.split(",")[0] if args.device == "tpu" else None,
     )
-    for prompt_len in _ints(args.prompt_lens):
+    for prompt_len in args.prompt_lens:
         report("prefill_split", backend=runner.backend, **prefill_split(runner, prompt_len, args.steps))
-    for pos in _ints(args.decode_positions):
-        for batch in _ints(args.decode_batches):
+    for pos in args.decode_positions:
+        for batch in args.decode_batches:
             report(
                 "decode_split",
                 backend=runner.backend,
                 pos=pos,
                 **decode_split(runner, batch, args.steps, pos),
             )
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def bench_kv_write(args, report) -> None:

@@ -144,6 +144,10 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
     )
     load_s = time.perf_counter() - t0
     built = 0 if args.quick else runner.warmup()
+    background = bool(runner.programs and runner.programs.async_compile)
+    xla = xla_programs()
+    if background and "xla_compile_s" in xla:  # torch_tpu's threads record no compile time: not measured
+        xla["xla_compile_s"] = None
     report(
         "engine_start",
         backend=backend,
@@ -157,11 +161,11 @@ def engine_figures(args, path: Path, weight_bytes: int, backend: str | None, opt
         programs=built,
         loaded_programs=runner.loaded_programs,
         load_workers=runner.load_workers,
-        async_compile=bool(runner.programs and runner.programs.async_compile),
+        async_compile=background,
         buckets=runner.buckets.num_programs,
         compiled=runner.compiled,
         since_process_start_s=since_process_start(),
-        **xla_programs(),
+        **xla,
         **cache_files(),
     )
     if args.start_only:
@@ -367,6 +371,22 @@ def handover(weights, take, level: int, live) -> dict:
     )
 
 
+def lists(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """prefill's comma-separated options as lists of integers, each checked (prompts < --max-model-len)."""
+    args.prompt_lens = args.prompt_lens or f"128,{min(512, args.max_model_len - 1)}"
+    for flag in ("prompt_lens", "decode_batches", "decode_positions"):
+        text = getattr(args, flag)
+        try:
+            setattr(args, flag, [int(x) for x in text.split(",") if x])
+        except ValueError:
+            ap.error(f"--{flag.replace('_', '-')} {text!r} is not valid; valid: comma-separated integers")
+    too_long = [n for n in args.prompt_lens + args.decode_positions if not 0 < n < args.max_model_len]
+    if too_long:
+        ap.error(
+            f"prompt lengths and positions {too_long} are not valid; valid: 1 to {args.max_model_len - 1}"
+        )
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tpuray").setLevel(logging.INFO)  # progress of long work (the warm-up's programs)
@@ -424,23 +444,26 @@ def main() -> None:
         "auto: where it applies)",
     )
     ap.add_argument("--mixed-runs", type=int, default=4, help="engine: serve_mixed runs (sync, async, ...)")
-    ap.add_argument("--prompt-lens", default="128,512", help="prefill: prompt lengths (comma-separated)")
+    ap.add_argument("--prompt-lens", default=None, help="prefill: prompt lengths, comma-separated (128,512)")
     ap.add_argument("--decode-batches", default="", help="prefill: decode batch sizes to split too (1,2,4)")
     ap.add_argument("--decode-positions", default="40", help="prefill: each decode row's position (40,600)")
     ap.add_argument(
         "--sample-stacks",
         default=None,
         metavar="PATH",
-        help="sample every thread's Python stack each 20 ms and write them to PATH at the end "
-        "(read: python3 benchmarks/_stacks.py PATH)",
+        help="sample every thread's Python stack each 20 ms, from after the imports and the runtime's "
+        "activation to the end, and write them to PATH (read: python3 benchmarks/_stacks.py PATH)",
     )
     h2d.add_options(ap)
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
+    lists(ap, args)
     unknown = set(args.decode_step.split(",")) - set(DECODE_STEPS)
     if unknown:
         ap.error(f"--decode-step {', '.join(sorted(unknown))} is not valid; valid: {', '.join(DECODE_STEPS)}")
     if args.what == "h2d" and h2d.starts_settings():  # a process per setting holds the chip, not this one
+        if args.sample_stacks:
+            ap.error("--sample-stacks samples this process; h2d with settings measures in one process each")
         return h2d.run_settings(args, report, checkpoint)
     if args.device == "tpu":
         from tpuray.runtime import activate
