@@ -10,7 +10,9 @@ It is a directory per host (each host compiles for its own chips), shared by eve
   the last of the three: on the v5e, tracing and lowering were ~190 of a 224 s second start);
 - torch_tpu's persistent compilation cache (its "tier 3": one XLA executable per program, keyed by the
   program and the compiler's version), under `torch_tpu/` (`TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`, with
-  its in-memory tier 2, which tier 3 sits behind); both engines' XLA programs go there;
+  its in-memory tier 2, which tier 3 sits behind); vLLM's XLA programs go there, and the embedded
+  engine's where it compiles them one by one (torch_tpu's background compilation, its default where
+  it applies, writes none: its programs/ are then the only copy);
 - vLLM's own cache (`VLLM_CACHE_ROOT`: its torch.compile artifacts, and vLLM-TorchTPU's per-range
   executables), under `vllm/`.
 An entry that cannot be read or belongs to another compiler version is a miss for both caches (the program
