@@ -71,24 +71,32 @@ def add_tokenizer(path: Path) -> None:
     build_tokenizer().save_pretrained(str(path))
 
 
-def vllm_config(path: Path, max_model_len: int, max_num_seqs: int):
+def vllm_config(path: Path, max_model_len: int, max_num_seqs: int, extra: dict | None = None):
+    """`extra`: more engine_kwargs (the bench's --vllm-engine-kwargs), over the defaults."""
     from tpuray.serve.llm import LLMConfig
 
     return LLMConfig(
         model_loading_config={"model_id": "llama-1b", "model_source": str(path)},
         llm_engine="vLLM",
         # the engine_kwargs a RolloutConfig gives (vllm_weights): one set of compiled programs for both
-        engine_kwargs={"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "dtype": "bfloat16"},
+        engine_kwargs={
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "dtype": "bfloat16",
+            **(extra or {}),
+        },
     )
 
 
-def start_vllm(path: Path, max_model_len: int, max_num_seqs: int) -> tuple[Any, dict]:
+def start_vllm(
+    path: Path, max_model_len: int, max_num_seqs: int, extra: dict | None = None
+) -> tuple[Any, dict]:
     """tpuray's VLLMEngine for the checkpoint (vLLM compiles its programs while it starts)."""
     from tpuray.serve.llm.engine.vllm.engine import VLLMEngine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
-    engine = VLLMEngine(vllm_config(path, max_model_len, max_num_seqs))
+    engine = VLLMEngine(vllm_config(path, max_model_len, max_num_seqs, extra))
     took = time.perf_counter() - t0
     return engine, {"start_s": took, "where": engine.where(), **xla_programs(), **compile_stats(engine)}
 
