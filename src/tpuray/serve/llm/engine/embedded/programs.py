@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tpuray.serve.llm.engine.compile_cache import ProgramStore
-from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+from tpuray.serve.llm.engine.embedded.tpu_compile import executables_not_copied, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
             deferred.append(entry)
             return
         try:
-            entry.pre_save()
+            with executables_not_copied():
+                entry.pre_save()
         except Exception as e:  # noqa: BLE001 - torch's save logs and goes on too: the save fails later
             logger.warning("compilation cache: cannot prepare a program for saving (%s)", e)
 
@@ -203,11 +204,12 @@ class StepPrograms:
 
     def save_built(self) -> None:
         """Save the programs `build` compiled (each waits for its compilation first, with async_compile)."""
-        for name, (program, entries) in self._unsaved.items():
-            for entry in entries:
-                entry.pre_save()
-            if self.store is not None:
-                self.store.save(name, program)
+        with executables_not_copied():
+            for name, (program, entries) in self._unsaved.items():
+                for entry in entries:
+                    entry.pre_save()
+                if self.store is not None:
+                    self.store.save(name, program)
         self._unsaved.clear()
 
     def _run(self, kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
