@@ -75,6 +75,14 @@ def parser(doc: str, decode_steps: Iterable[str], dims: Iterable[str]) -> argpar
         help="vllm: more engine_kwargs, e.g. '{\"max_num_batched_tokens\": 1024}' (fewer compiled ranges)",
     )
     ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="Python's GIL switch interval for the run (sys.setswitchinterval; default 0.005): how often "
+        "the main thread and torch_tpu's lowering threads trade the GIL",
+    )
+    ap.add_argument(
         "--sample-stacks",
         default=None,
         metavar="PATH",
@@ -87,6 +95,8 @@ def parser(doc: str, decode_steps: Iterable[str], dims: Iterable[str]) -> argpar
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace, decode_steps: Iterable[str]) -> None:
     """--decode-step's names, and prefill's comma-separated options as lists of integers (prompts and
     positions below --max-model-len)."""
+    if args.switch_interval is not None and not args.switch_interval > 0:
+        ap.error(f"--switch-interval {args.switch_interval} is not valid; valid: seconds > 0")
     valid = list(decode_steps)
     unknown = set(args.decode_step.split(",")) - set(valid)
     if unknown:

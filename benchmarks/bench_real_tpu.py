@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -399,6 +400,8 @@ def main() -> None:
         "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
         "scan-probe": lambda a: scan_probe(a, report, checkpoint),
     }
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     sampler = Sampler(args.sample_stacks) if args.sample_stacks else None
     try:
         commands[args.what](args)
