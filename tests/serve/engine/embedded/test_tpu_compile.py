@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
-from tpuray.serve.llm.engine.embedded.tpu_compile import executables_not_copied, lookup
+from tpuray.serve.llm.engine.embedded.tpu_compile import (
+    TESTED_TORCH_TPU,
+    class_attribute_while,
+    executables_not_copied,
+    lookup,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch_tpu") is not None,
@@ -38,24 +43,62 @@ def test_default_backend_per_device():
     assert lookup("eager") is not None  # any Dynamo backend name passes through
 
 
-def test_a_torch_tpu_executable_is_not_copied_to_be_saved(monkeypatch):
-    """AOTAutograd readies a program for saving with `copy(result)`: inside executables_not_copied a
-    torch_tpu executable (a stand-in class here: the real one exists only with torch_tpu) is its own
-    copy, subclasses too; outside it, copies are copies again."""
+class _Artifact:
+    """Stands in for torch_tpu's CompiledArtifact (the real one exists only with torch_tpu)."""
 
-    class CompiledArtifact:
-        payload = [1, 2]
-
-    class Executable(CompiledArtifact):
+    def prepare_for_serialization(self) -> None:
         pass
 
+
+class _Pending(_Artifact):
+    """As torch_tpu's AsyncCompiledArtifact: any unknown attribute resolves the background compilation."""
+
+    resolved = False
+
+    def __getattr__(self, name):
+        type(self).resolved = True
+        raise AttributeError(name)
+
+
+def _stand_in_torch_tpu(monkeypatch, version: str) -> None:
     names = ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.compile")
     for name in names:
         monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    sys.modules["torch_tpu"].__version__ = version  # type: ignore[attr-defined]
     module = ModuleType("torch_tpu._internal.compile.torch_tpu_compiled_executable")
-    module.CompiledArtifact = CompiledArtifact  # type: ignore[attr-defined]
+    module.CompiledArtifact = _Artifact  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    executable = Executable()
+
+
+def test_a_torch_tpu_executable_is_not_copied_to_be_saved(monkeypatch):
+    """torch's own preparation for saving (`copy(result)`, then its `prepare_for_serialization`) keeps
+    the executable itself inside executables_not_copied, without resolving a pending one; outside it,
+    copies are copies again."""
+    from torch._functorch._aot_autograd.aot_autograd_result import BundledOutputCodeLoadable
+
+    _stand_in_torch_tpu(monkeypatch, TESTED_TORCH_TPU)
+    pending = _Pending()
+    entry = BundledOutputCodeLoadable(result=pending)
     with executables_not_copied():
-        assert copy.copy(executable) is executable
-    assert copy.copy(executable) is not executable and "__copy__" not in CompiledArtifact.__dict__
+        entry.pre_save()
+    assert entry.result is pending and not _Pending.resolved
+    assert copy.copy(pending) is not pending and "__copy__" not in _Artifact.__dict__
+
+
+def test_another_torch_tpu_is_copied_as_before(monkeypatch):
+    _stand_in_torch_tpu(monkeypatch, "0.3.0")
+    artifact = _Artifact()
+    with executables_not_copied():
+        assert copy.copy(artifact) is not artifact
+
+
+def test_an_attribute_set_by_another_entry_is_left_to_it():
+    class Owner:
+        pass
+
+    mine = object()
+    with class_attribute_while(Owner, "x", mine):
+        with class_attribute_while(Owner, "x", object()):  # already set: left as it is
+            assert Owner.x is mine
+        assert Owner.x is mine
+    assert "x" not in Owner.__dict__

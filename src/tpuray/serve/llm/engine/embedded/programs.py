@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tpuray.serve.llm.engine.compile_cache import ProgramStore
-from tpuray.serve.llm.engine.embedded.tpu_compile import executables_not_copied, lookup
+from tpuray.serve.llm.engine.embedded.tpu_compile import class_attribute_while, executables_not_copied, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,8 @@ def backend_code_shared() -> Iterator[None]:
     while it lasts: enter it where nothing else deep-copies such code (an engine's start)."""
     from torch._inductor.output_code import OutputCode
 
-    if "__deepcopy__" in OutputCode.__dict__:  # torch's own now: leave it
+    with class_attribute_while(OutputCode, "__deepcopy__", lambda self, memo: self):  # unless torch's own
         yield
-        return
-    OutputCode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        del OutputCode.__deepcopy__  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -65,8 +59,8 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
     pickles it nor writes it into torch's own cache (`AOTAutogradCache.save`, which aot_compile turns on):
     the program store saves the entry itself, and for torch_tpu each pickle serializes the executable (a
     second copy of every program on disk, and its time, at every first start). With `deferred`, the
-    entries are appended there unprepared (preparing an entry waits for a compilation in the background:
-    the caller prepares them before saving). Process-wide while it lasts, as torch_tpu's own async saves
+    entries are appended there unprepared (preparing one may wait for its compilation in the background,
+    where its executable is copied: the caller prepares them before saving). Process-wide while it lasts, as torch_tpu's own async saves
     are: another thread's compilation meanwhile writes nothing into torch's cache either."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache

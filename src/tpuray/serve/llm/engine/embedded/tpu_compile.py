@@ -28,7 +28,9 @@ refused: torch_tpu splits those with a compiler that does not take donations.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
+from importlib import metadata
 from typing import Any
 
 from tpuray.serve.llm.engine.tpu_lowering import tracebacks_kept, without_tracebacks
@@ -94,9 +96,6 @@ def donating_backend(
 
         def forward(graph: Any, inputs: Sequence[Any]) -> Any:
             donated = _mutated_inputs(graph)
-            if not mlir_tracebacks:  # torch_tpu's lowering parses each node's trace, only to locate it
-                for node in graph.graph.nodes:
-                    node.meta.pop("stack_trace", None)
             return compiler(graph, inputs, True, donated_inputs=donated, module_name="tpuray_step")
 
         # torch_tpu's own backend's way to a serializable program: its context makes AOTAutograd build the
@@ -119,24 +118,43 @@ def donating_backend(
 @contextlib.contextmanager
 def executables_not_copied() -> Iterator[None]:
     """While it lasts, a copy of a torch_tpu executable is the executable itself. AOTAutograd readies a
-    program for saving with `copy(result)` and the copy's `prepare_for_serialization()` (a no-op for every
-    torch_tpu executable, 0.2.0): a copy serializes the executable and loads it onto the chip again, held
-    as long as the program (twice the chip memory, and the time of a load, for every program saved).
-    Nothing where torch_tpu is absent or defines its own copy. Process-wide while it lasts, as
-    programs.backend_code_shared."""
+    program for saving with `copy(result)` and the copy's `prepare_for_serialization()`, a no-op for every
+    torch_tpu executable of TESTED_TORCH_TPU: a copy serializes the executable and loads it onto the chip
+    again, held as long as the program (twice the chip memory, and the time of a load, for every program
+    saved). Nothing where torch_tpu is absent, another version (whose preparing might do something) or
+    defines its own copy. Process-wide while it lasts, as programs.backend_code_shared."""
     try:
         from torch_tpu._internal.compile.torch_tpu_compiled_executable import CompiledArtifact
     except ImportError:
         yield
         return
-    if "__copy__" in CompiledArtifact.__dict__:
+    if _torch_tpu_version() != TESTED_TORCH_TPU:
         yield
         return
-    CompiledArtifact.__copy__ = lambda self: self
+    with class_attribute_while(CompiledArtifact, "__copy__", lambda self: self):
+        yield
+
+
+def _torch_tpu_version() -> str | None:
+    try:
+        return metadata.version("torch_tpu")
+    except metadata.PackageNotFoundError:  # imported from a path, not installed
+        return getattr(sys.modules.get("torch_tpu"), "__version__", None)
+
+
+@contextlib.contextmanager
+def class_attribute_while(cls: type, name: str, value: Any) -> Iterator[None]:
+    """`cls.name = value` while it lasts, where `cls` defines no `name` of its own; removed at the end by
+    the entry that set it (an entry that finds it set, by another thread meanwhile, leaves it alone)."""
+    if name in cls.__dict__:
+        yield
+        return
+    setattr(cls, name, value)
     try:
         yield
     finally:
-        del CompiledArtifact.__copy__
+        if cls.__dict__.get(name) is value:
+            delattr(cls, name)
 
 
 def lookup(name: str, async_compile: bool = False) -> Callable[..., Any]:
