@@ -93,14 +93,27 @@ def parser(doc: str, decode_steps: Iterable[str], dims: Iterable[str]) -> argpar
 
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace, decode_steps: Iterable[str]) -> None:
-    """--decode-step's names, and prefill's comma-separated options as lists of integers (prompts and
-    positions below --max-model-len)."""
+    """--decode-step's names, --switch-interval, --vllm-engine-kwargs (vllm only: an object), and
+    prefill's comma-separated options as lists of integers (prompts and positions below
+    --max-model-len)."""
     if args.switch_interval is not None and not args.switch_interval > 0:
         ap.error(f"--switch-interval {args.switch_interval} is not valid; valid: seconds > 0")
+    if args.vllm_engine_kwargs is not None and (
+        args.what != "vllm" or not isinstance(args.vllm_engine_kwargs, dict)
+    ):
+        ap.error(
+            f"--vllm-engine-kwargs {json.dumps(args.vllm_engine_kwargs)} is not valid for {args.what!r}; "
+            "valid: a JSON object, with `vllm`"
+        )
     valid = list(decode_steps)
     unknown = set(args.decode_step.split(",")) - set(valid)
     if unknown:
         ap.error(f"--decode-step {', '.join(sorted(unknown))} is not valid; valid: {', '.join(valid)}")
+    if args.what == "prefill":
+        _prefill_lists(ap, args)
+
+
+def _prefill_lists(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.prompt_lens = args.prompt_lens or f"128,{min(512, args.max_model_len - 1)}"
     for flag in ("prompt_lens", "decode_batches", "decode_positions"):
         text = getattr(args, flag)

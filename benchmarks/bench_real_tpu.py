@@ -235,7 +235,8 @@ def bench_vllm(args) -> None:
     add_tokenizer(path)
     engine, start = start_vllm(path, args.max_model_len, 32, args.vllm_engine_kwargs)
     try:
-        report("vllm_start", since_process_start_s=since_process_start(), **start, **cache_files())
+        extra = {"engine_kwargs": args.vllm_engine_kwargs} if args.vllm_engine_kwargs else {}
+        report("vllm_start", since_process_start_s=since_process_start(), **start, **extra, **cache_files())
         if not args.start_only:
             report("vllm", **vllm_figures(engine, weight_bytes, V5E_HBM_BYTES_PER_S, args.requests))
     finally:
@@ -380,16 +381,26 @@ def main() -> None:
     args = ap.parse_args()
     OUT[:] = [args.out] if args.out else []
     check(ap, args, DECODE_STEPS)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.what == "h2d" and h2d.starts_settings():  # a process per setting holds the chip, not this one
-        if args.sample_stacks:
-            ap.error("--sample-stacks samples this process; h2d with settings measures in one process each")
+        if args.sample_stacks or args.switch_interval:
+            ap.error(
+                "--sample-stacks and --switch-interval apply to this process; h2d with settings measures in one process each"
+            )
         return h2d.run_settings(args, report, checkpoint)
     if args.device == "tpu":
         from tpuray.runtime import activate
 
         imported_s = since_process_start()  # Python, torch and this script's imports
         mode = activate()
-        report("runtime", mode=mode, imported_s=imported_s, activated_s=since_process_start())
+        report(
+            "runtime",
+            mode=mode,
+            imported_s=imported_s,
+            activated_s=since_process_start(),
+            switch_interval_s=sys.getswitchinterval(),
+        )
     commands = {"engine": bench_engine, "prefill": lambda a: bench_prefill(a, report, checkpoint)}
     commands["vllm"] = bench_vllm
     commands["vllm-weights"] = bench_vllm_weights
@@ -400,8 +411,6 @@ def main() -> None:
         "h2d": lambda a: h2d.run_paths(a, report, checkpoint),
         "scan-probe": lambda a: scan_probe(a, report, checkpoint),
     }
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
     sampler = Sampler(args.sample_stacks) if args.sample_stacks else None
     try:
         commands[args.what](args)
