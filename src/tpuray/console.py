@@ -15,7 +15,8 @@ import os
 import time
 from pathlib import Path
 
-LOG_DIR_ENV = "TPURAY_LOG_DIR"  # where the commands' log files go (default ~/.tpuray/logs)
+from tpuray.constants import LOG_DIR_ENV
+
 FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 RAY_LOGGERS = ("ray", "ray.serve", "ray.train")
 VLLM_CONFIG_SUFFIX = ".vllm-logging.json"  # a user's own VLLM_LOGGING_CONFIG_PATH is left alone

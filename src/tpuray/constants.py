@@ -98,6 +98,7 @@ STATE_DIR_ENV = "TPURAY_STATE_DIR"
 COMPILE_CACHE_ENV = "TPURAY_COMPILE_CACHE"  # the engines' compiled programs on this host's disk ("off")
 KUBERAY_CRDS_ENV = "TPURAY_KUBERAY_CRDS"
 DEMO_PORT_ENV = "TPURAY_DEMO_PORT"
+LOG_DIR_ENV = "TPURAY_LOG_DIR"  # where the commands' log files go (default ~/.tpuray/logs)
 MODEL_CACHE_ENV = "TPURAY_MODEL_CACHE"  # where model_source URLs are downloaded (~/.cache/tpuray/models)
 SLICE_DEMAND_ENV = "TPURAY_SLICE_DEMAND"  # how a reservation asks the autoscaler (tpuray.slices.demand)
 VLLM_PLATFORM_ENV = "TPURAY_VLLM_PLATFORM"  # "emulated-tpu": vLLM in this process serves an emulated slice
