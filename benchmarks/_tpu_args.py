@@ -18,6 +18,7 @@ def parser(doc: str, decode_steps: Iterable[str], dims: Iterable[str]) -> argpar
             "prefill",
             "vllm",
             "vllm-weights",
+            "vllm-handover",
             "train",
             "kv-write",
             "weights",

@@ -5,6 +5,7 @@ alone: see docs/real-tpu.md for the set-up).
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py engine     # the embedded engine, ~1B Llama
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm       # vLLM-TorchTPU, same model
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm-weights   # RL: update_weights into vLLM
+    PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py vllm-handover  # RL: colocated vLLM hand-over
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py train      # matmul ceiling + train steps
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py weights    # RL: updates, sleep / wake-up
     PYTHONPATH=...:src python3 benchmarks/bench_real_tpu.py h2d --dims 1b-hd128   # host-to-chip paths
@@ -27,6 +28,7 @@ import _tpu_h2d as h2d
 import torch
 from _stacks import Sampler
 from _tpu_args import check, parser
+from _tpu_colocated import vllm_handover
 from _tpu_engine import (
     bench_kv_write,
     bench_prefill,
@@ -254,6 +256,16 @@ def bench_vllm_weights(args) -> None:
     report("vllm_weights", **vllm_weights(path, state, args.steps, args.device, report))
 
 
+def bench_vllm_handover(args) -> None:
+    """RL with vLLM colocated in this process (_tpu_colocated.py): --steps hand-overs (sleep, the full
+    state dict while asleep, wake-up), each step timed, the greedy tokens checked after each."""
+    from tpuray.serve.llm.engine.embedded.model import load_state_dict
+
+    path, _ = checkpoint(args)
+    add_tokenizer(path)
+    vllm_handover(path, load_state_dict(path), args.steps, args.device, report)
+
+
 # -- RL: the rollout engine's weight updates and sleep / wake-up ---------------------------------------------
 def bench_weights(args) -> None:
     """A one-chip rollout engine (`tpuray.rl.rollout.embedded_worker.RunnerWeights` over a `ModelRunner`, as RolloutEngine
@@ -404,6 +416,7 @@ def main() -> None:
     commands = {"engine": bench_engine, "prefill": lambda a: bench_prefill(a, report, checkpoint)}
     commands["vllm"] = bench_vllm
     commands["vllm-weights"] = bench_vllm_weights
+    commands["vllm-handover"] = bench_vllm_handover
     commands |= {
         "train": lambda a: bench_train(a, report),
         "kv-write": lambda a: bench_kv_write(a, report),
