@@ -88,7 +88,7 @@ def dtype_problem(asked: Any, resolved: Any, platform: str) -> str | None:
 def auto_prefers_embedded(switch: str = "llm_engine='vLLM'") -> str | None:
     """Why "auto" runs the embedded engine here although vLLM is installed; None where vLLM runs. On
     vLLM-TorchTPU's platform (a real TPU) the embedded engine measured faster on every figure
-    (docs/real-tpu.md, "vLLM-TorchTPU on the chip"), compiles nothing while serving and sleeps for RL
+    (docs/real-tpu.md, "Serving and RL with vLLM-TorchTPU"), compiles nothing while serving and sleeps for RL
     (vLLM's sleep mode is refused there); `switch` (serving's llm_engine='vLLM', RL's engine='vllm')
     still selects vLLM there."""
     from vllm.platforms import current_platform
