@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 # ScalingConfig kwargs of a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice: for
@@ -96,6 +98,20 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
+
+
+def stand_in_module(monkeypatch: Any, name: str, **attributes: Any) -> ModuleType:
+    """A module `name` (e.g. one of torch_tpu's, which exists only with torch_tpu) holding `attributes`,
+    importable for the test's length: fresh packages above it, each the attribute of its parent."""
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), ModuleType(".".join(parts[:depth])))
+    for depth in range(1, len(parts)):
+        setattr(sys.modules[".".join(parts[:depth])], parts[depth], sys.modules[".".join(parts[: depth + 1])])
+    module = sys.modules[name]
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
 
 
 # A compiled ModelRunner started in a child process (a "start" of the embedded engine's runner): builds or

@@ -4,13 +4,13 @@ switch's stack is balanced, and nothing is switched without torch_tpu or where T
 from __future__ import annotations
 
 import importlib.util
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
+from _util import stand_in_module
 from tpuray.constants import TORCH_TRACE_ENV
 from tpuray.serve.llm.engine.tpu_lowering import (
     tracebacks_off,
@@ -63,14 +63,12 @@ def test_torch_trace_keeps_the_tracebacks(monkeypatch):
 def _stand_in_torch_tpu(monkeypatch, push) -> list[bool]:
     """torch_tpu's switch module as a stand-in (the real one exists only with torch_tpu); returns its stack."""
     stack: list[bool] = []
-    state = ModuleType("torch_tpu._internal.compile.tpu_torch_compile")
-    state.push_enable_tracebacks = push or stack.append  # type: ignore[attr-defined]
-    state.pop_enable_tracebacks = stack.pop  # type: ignore[attr-defined]
-    parts = ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.compile")
-    for name in parts:
-        monkeypatch.setitem(sys.modules, name, ModuleType(name))
-    monkeypatch.setattr(sys.modules["torch_tpu._internal.compile"], "tpu_torch_compile", state, raising=False)
-    monkeypatch.setitem(sys.modules, state.__name__, state)
+    stand_in_module(
+        monkeypatch,
+        "torch_tpu._internal.compile.tpu_torch_compile",
+        push_enable_tracebacks=push or stack.append,
+        pop_enable_tracebacks=stack.pop,
+    )
     monkeypatch.delenv(TORCH_TRACE_ENV, raising=False)
     return stack
 

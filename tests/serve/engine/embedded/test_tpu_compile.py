@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from _util import stand_in_module
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
 from tpuray.serve.llm.engine.embedded.tpu_compile import (
     TESTED_TORCH_TPU,
@@ -61,13 +62,10 @@ class _Pending(_Artifact):
 
 
 def _stand_in_torch_tpu(monkeypatch, version: str) -> None:
-    names = ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.compile")
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    stand_in_module(
+        monkeypatch, "torch_tpu._internal.compile.torch_tpu_compiled_executable", CompiledArtifact=_Artifact
+    )
     sys.modules["torch_tpu"].__version__ = version  # type: ignore[attr-defined]
-    module = ModuleType("torch_tpu._internal.compile.torch_tpu_compiled_executable")
-    module.CompiledArtifact = _Artifact  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module.__name__, module)
 
 
 def test_a_torch_tpu_executable_is_not_copied_to_be_saved(monkeypatch):
