@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 32, "dtype": "bfloat16", "seed": 0}
 PROMPT = list(range(11, 43))
 
@@ -46,9 +44,11 @@ def greedy(hosted: Any) -> list[int]:
 
 def handover_rounds(hosted: Any, state: dict, rounds: int, device: str) -> list[dict]:
     """`rounds` hand-overs of `state` (the engine's own weights), each timed step by step."""
+    from _tpu_engine import live_bytes
+
     from tpuray.rl.rollout.vllm_worker import pack_state
 
-    live = (lambda: torch.accelerator.memory_allocated()) if device == "tpu" else (lambda: 0)
+    live = live_bytes(device)
     before = greedy(hosted)
     rows = []
     for _ in range(rounds):

@@ -23,6 +23,11 @@ def sync() -> None:
         torch.accelerator.synchronize()
 
 
+def live_bytes(device: str):
+    """A reader of the device allocator's live bytes (torch's count, on a TPU; 0 elsewhere)."""
+    return (lambda: torch.accelerator.memory_allocated()) if device == "tpu" else (lambda: 0)
+
+
 def synced(fn) -> tuple[float, object]:
     """(seconds of one call of `fn`, the device awaited before and after it; its result)."""
     sync()

@@ -35,6 +35,7 @@ from _tpu_engine import (
     decode_rate,
     decode_split,
     greedy_tokens,
+    live_bytes,
     loop_rate,
     serve_mixed,
     sync,
@@ -324,7 +325,7 @@ def bench_weights(args) -> None:
         in_place_vs_raw=figures["in_place_s"] / raw,
         rows_vs_raw=figures["rows_update_s"] / raw,
     )
-    live = (lambda: torch.accelerator.memory_allocated()) if args.device == "tpu" else (lambda: 0)
+    live = live_bytes(args.device)
     report("rl_handover", level=1, path="host", **handover(weights, update, 1, live))
     # the trainer's weights on the chip: over the host (the object store's path: stage + commit of the
     # full state from the host) against the in-process hand-over (tpuray.rl.sync.handover: cut and fused on
