@@ -15,6 +15,7 @@ from _util import stand_in_module
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
 from tpuray.serve.llm.engine.embedded.tpu_compile import (
     TESTED_TORCH_TPU,
+    aot_compilers,
     class_attribute_while,
     executables_not_copied,
     lookup,
@@ -100,3 +101,41 @@ def test_an_attribute_set_by_another_entry_is_left_to_it():
             assert Owner.x is mine
         assert Owner.x is mine
     assert "x" not in Owner.__dict__
+
+
+class _InTheBackground:
+    """A forward program as torch_tpu's AsyncCompiledArtifact hands it out: its class attributes are
+    read without waiting; any other attribute waits for the background compilation (counted here)."""
+
+    _boxed_call = True
+    _fx_graph_cache_key = None
+    _is_fallback = False
+    waits = 0
+
+    def __init__(self, graph):
+        self.graph, self._boxed_call = graph, True  # as the executable it resolves to holds it
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        type(self).waits += 1
+        raise AttributeError(name)
+
+    def __call__(self, args):
+        return self.graph(*args)
+
+
+def test_a_program_compiled_in_the_background_is_not_waited_for_by_aot_autograd():
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(graph, inputs):
+        return _InTheBackground(graph)
+
+    def backend(gm, example_inputs):
+        return aot_autograd(**aot_compilers(_Artifact, forward, forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: (x * 2 + 1).sum(), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        assert step(torch.ones(4)).item() == 12.0
+    assert _InTheBackground.waits == 0  # torch's disable() looked nothing up on it
