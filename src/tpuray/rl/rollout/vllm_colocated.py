@@ -36,6 +36,7 @@ from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.serve.llm import model_source
 from tpuray.serve.llm.engine.tpu_lowering import tracebacks_off
+from tpuray.serve.llm.engine.tpu_programs import programs_loaded_lightly
 from tpuray.serve.llm.engine.vllm.args import split_engine_kwargs
 from tpuray.serve.llm.engine.vllm.cpu_shm import cpu_shm_names_of_this_run, release_cpu_shm
 from tpuray.serve.llm.engine.vllm.engine import default_cpu_kv_cache
@@ -70,7 +71,8 @@ class HostedVLLM:
             kwargs.setdefault("enforce_eager", True)
             names = cpu_shm_names_of_this_run(shm_names)
         try:
-            with names, tracebacks_off():  # its graphs lowered faster (engine/tpu_lowering.py)
+            # its graphs lowered faster, loaded without copies (engine/tpu_lowering.py, tpu_programs.py)
+            with names, tracebacks_off(), programs_loaded_lightly():
                 self.llm = LLM(
                     path,
                     distributed_executor_backend="external_launcher",

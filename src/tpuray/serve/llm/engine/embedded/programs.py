@@ -29,7 +29,12 @@ from typing import Any
 import torch
 
 from tpuray.serve.llm.engine.compile_cache import ProgramStore
-from tpuray.serve.llm.engine.embedded.tpu_compile import class_attribute_while, executables_not_copied, lookup
+from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
+from tpuray.serve.llm.engine.tpu_programs import (
+    class_attribute_while,
+    executables_not_copied,
+    fake_modes_without_stacks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +178,11 @@ class StepPrograms:
             return
         store = self.store
         saved = [n for n in names if n not in self._programs and store.path(n).exists()]
-        with backend_code_shared(), ThreadPoolExecutor(workers, thread_name_prefix="tpuray-load") as pool:
+        with (
+            backend_code_shared(),
+            fake_modes_without_stacks(),
+            ThreadPoolExecutor(workers, thread_name_prefix="tpuray-load") as pool,
+        ):
             self._preloaded.update(zip(saved, pool.map(store.load, saved), strict=True))
 
     def build(self, kinds_and_args: list[tuple[str, tuple[Any, ...]]]) -> None:
@@ -240,7 +249,7 @@ class StepPrograms:
             program = self._preloaded.pop(name)
             self.preloaded += program is not None
         else:
-            with backend_code_shared():
+            with backend_code_shared(), fake_modes_without_stacks():  # tpu_programs.py
                 program = self.store.load(name)
         if program is None or not self._accepts(program, name, owner, args):
             return None

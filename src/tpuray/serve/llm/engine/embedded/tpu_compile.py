@@ -27,16 +27,13 @@ refused: torch_tpu splits those with a compiler that does not take donations.
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from importlib import metadata
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpuray.serve.llm.engine.tpu_lowering import tracebacks_kept, without_tracebacks
+from tpuray.serve.llm.engine.tpu_programs import TESTED_TORCH_TPU
 
 DONATING = ("tpu-donate",)
-TESTED_TORCH_TPU = "0.2.0"
 
 
 def _torch_tpu_internals(name: str) -> tuple[Any, Any, Any, Any]:
@@ -133,48 +130,6 @@ def aot_compilers(
         "fw_compiler": SerializableAOTDispatchCompiler(artifact, forward),
         "bw_compiler": SerializableAOTDispatchCompiler(artifact, backward),
     }
-
-
-@contextlib.contextmanager
-def executables_not_copied() -> Iterator[None]:
-    """While it lasts, a copy of a torch_tpu executable is the executable itself. AOTAutograd readies a
-    program for saving with `copy(result)` and the copy's `prepare_for_serialization()`, a no-op for every
-    torch_tpu executable of TESTED_TORCH_TPU: a copy serializes the executable and loads it onto the chip
-    again, held as long as the program (twice the chip memory, and the time of a load, for every program
-    saved). Nothing where torch_tpu is absent, another version (whose preparing might do something) or
-    defines its own copy. Process-wide while it lasts, as programs.backend_code_shared."""
-    try:
-        from torch_tpu._internal.compile.torch_tpu_compiled_executable import CompiledArtifact
-    except ImportError:
-        yield
-        return
-    if _torch_tpu_version() != TESTED_TORCH_TPU:
-        yield
-        return
-    with class_attribute_while(CompiledArtifact, "__copy__", lambda self: self):
-        yield
-
-
-def _torch_tpu_version() -> str | None:
-    try:
-        return metadata.version("torch_tpu")
-    except metadata.PackageNotFoundError:  # imported from a path, not installed
-        return getattr(sys.modules.get("torch_tpu"), "__version__", None)
-
-
-@contextlib.contextmanager
-def class_attribute_while(cls: type, name: str, value: Any) -> Iterator[None]:
-    """`cls.name = value` while it lasts, where `cls` defines no `name` of its own; removed at the end by
-    the entry that set it (an entry that finds it set, by another thread meanwhile, leaves it alone)."""
-    if name in cls.__dict__:
-        yield
-        return
-    setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        if cls.__dict__.get(name) is value:
-            delattr(cls, name)
 
 
 def lookup(name: str, async_compile: bool = False) -> Callable[..., Any]:

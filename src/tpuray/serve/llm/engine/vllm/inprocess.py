@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuray.serve.llm.engine.tpu_lowering import tracebacks_off_in_this_thread
+from tpuray.serve.llm.engine.tpu_programs import programs_loaded_lightly
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +102,18 @@ def _on_core(name: str) -> Callable[..., Any]:
     return method
 
 
+def _start_core(vllm_config: Any, executor_class: type, log_stats: bool) -> Any:
+    """vLLM's InprocClient, its compiled graphs loaded without copies or stacks (tpu_programs.py)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    with programs_loaded_lightly():
+        return InprocClient(vllm_config, executor_class, log_stats)
+
+
 class AsyncInprocClient:
     """AsyncLLM's engine-core client over vLLM's InprocClient (the EngineCore in this process)."""
 
     def __init__(self, vllm_config: Any, executor_class: type, log_stats: bool) -> None:
-        from vllm.v1.engine.core_client import InprocClient
-
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
         # vLLM-TorchTPU lowers every graph in this thread: without MLIR tracebacks (tpu_lowering.py)
@@ -115,7 +122,7 @@ class AsyncInprocClient:
         )
         self._work: asyncio.Event | None = None
         try:
-            self._core = self._thread.submit(InprocClient, vllm_config, executor_class, log_stats).result()
+            self._core = self._thread.submit(_start_core, vllm_config, executor_class, log_stats).result()
         except BaseException:
             self._thread.shutdown(wait=False)
             raise
