@@ -26,7 +26,14 @@ from tpuray.serve.llm.generation import SamplingParams
 def test_buckets_pick_and_pack():
     assert powers_of_two(1, 8) == (1, 2, 4, 8) and powers_of_two(16, 100) == (16, 32, 64, 100)
     b = Buckets.for_engine(max_num_seqs=6, max_model_len=2048, max_prefill_tokens=2048)
-    assert b.batch == (1, 2, 4, 6) and b.context == (256, 1024, 2048) and b.tokens[-1] == 2048
+    assert (
+        b.batch == (1, 6) and b.context == (256, 1024, 2048) and b.tokens == (64, 128, 256, 512, 1024, 2048)
+    )
+    wide = Buckets.for_engine(max_num_seqs=32, max_model_len=1024, max_prefill_tokens=1024)
+    assert (
+        wide.batch == (1, 8, 16, 32) and wide.num_programs == 5 + 4 * 2
+    )  # 13 (19 with batch 2, 4 and packs 16, 32)
+    assert Buckets.for_engine(1, 32, 32).batch == (1,) and Buckets.for_engine(1, 32, 32).tokens == (32,)
     assert Buckets.pick(5, b.batch) == 6 and Buckets.pick(7, ()) == 7
     with pytest.raises(ValueError, match="exceeds the largest bucket 6"):
         Buckets.pick(7, b.batch)
@@ -52,10 +59,10 @@ def test_warmup_prefill_masks_are_not_causal():
         mask = prefill_mask(positions, segments)[0, 0]
         assert not torch.equal(mask, torch.tril(torch.ones(T, T, dtype=torch.bool)))
     # a prompt that fills its bucket does make a causal mask: what warm-up must avoid
-    full = pack_prefills([(8, [0] * 16, 0, None)], [0], buckets, 8)[0]
+    full = pack_prefills([(8, [0] * 64, 0, None)], [0], buckets, 8)[0]
     _, positions, segments, _, _ = PrefillPack.unpack(full.packed, full.num_prompts)
     assert torch.equal(
-        prefill_mask(positions, segments)[0, 0], torch.tril(torch.ones(16, 16, dtype=torch.bool))
+        prefill_mask(positions, segments)[0, 0], torch.tril(torch.ones(64, 64, dtype=torch.bool))
     )
 
 
