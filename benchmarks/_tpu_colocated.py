@@ -42,11 +42,26 @@ def greedy(hosted: Any) -> list[int]:
     return out[0]
 
 
+def update_split(hosted: Any, state: dict) -> dict:
+    """One update while asleep, each step timed: packed on the host, staged (handed to vLLM's worker
+    extension, checked), committed (vLLM's reload, each tensor sent to the device ahead of it)."""
+    from tpuray.rl.rollout.vllm_worker import pack_state
+
+    row: dict[str, Any] = {}
+    t = time.perf_counter()
+    packed = pack_state(state)
+    row["pack_s"], t = time.perf_counter() - t, time.perf_counter()
+    staged = hosted.stage_weights(packed)
+    row["stage_s"], t = time.perf_counter() - t, time.perf_counter()
+    row["staged"] = staged if isinstance(staged, int) else f"refused: {staged}"
+    row["written"] = hosted.commit_weights()
+    row["commit_s"] = time.perf_counter() - t
+    return row
+
+
 def handover_rounds(hosted: Any, state: dict, rounds: int, device: str) -> list[dict]:
     """`rounds` hand-overs of `state` (the engine's own weights), each timed step by step."""
     from _tpu_engine import live_bytes
-
-    from tpuray.rl.rollout.vllm_worker import pack_state
 
     live = live_bytes(device)
     before = greedy(hosted)
@@ -57,9 +72,7 @@ def handover_rounds(hosted: Any, state: dict, rounds: int, device: str) -> list[
         row["freed_bytes"] = hosted.sleep(level=1)
         row["sleep_s"], t = time.perf_counter() - t, time.perf_counter()
         row["live_bytes_asleep"] = live()
-        staged = hosted.stage_weights(pack_state(state))
-        row["staged"] = staged if isinstance(staged, int) else f"refused: {staged}"
-        row["written"] = hosted.commit_weights()
+        row |= update_split(hosted, state)
         row["update_s"], t = time.perf_counter() - t, time.perf_counter()
         row["retaken_bytes"] = hosted.wake_up()
         row["wake_up_s"] = time.perf_counter() - t
