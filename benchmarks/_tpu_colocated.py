@@ -3,9 +3,10 @@ vLLM inside the trainer's process (`tpuray.rl.rollout.vllm_colocated.HostedVLLM`
 a one-rank process group, vLLM's external launcher), measured as `weights` measures the embedded engine's.
 
 Each round: sleep (vLLM's own sleep mode where the platform has one; else tpuray frees the KV cache, the
-weights staying on the device), the full bf16 state dict staged and committed while asleep (the object
-store's path: packed on the host), wake-up; then 32 greedy tokens of one prompt, which must equal those
-before the first round (the same weights were sent). The device's live bytes (torch's allocator) are
+weights staying on the device), the full bf16 state dict's host tensors staged (handed to vLLM's worker in
+this process, as a rank has them from the object store) and committed while asleep, each timed; wake-up;
+then 32 greedy tokens of one prompt, which must equal those before the first round (the same weights were
+sent). The device's live bytes (torch's allocator) are
 read around each step on a TPU.
 """
 
@@ -43,15 +44,11 @@ def greedy(hosted: Any) -> list[int]:
 
 
 def update_split(hosted: Any, state: dict) -> dict:
-    """One update while asleep, each step timed: packed on the host, staged (handed to vLLM's worker
-    extension, checked), committed (vLLM's reload, each tensor sent to the device ahead of it)."""
-    from tpuray.rl.rollout.vllm_worker import pack_state
-
+    """One update while asleep, each step timed: staged (the host tensors handed to vLLM's worker extension
+    in this process and checked), committed (vLLM's reload, each tensor sent to the device ahead of it)."""
     row: dict[str, Any] = {}
     t = time.perf_counter()
-    packed = pack_state(state)
-    row["pack_s"], t = time.perf_counter() - t, time.perf_counter()
-    staged = hosted.stage_weights(packed)
+    staged = hosted.stage_weights(state)
     row["stage_s"], t = time.perf_counter() - t, time.perf_counter()
     row["staged"] = staged if isinstance(staged, int) else f"refused: {staged}"
     row["written"] = hosted.commit_weights()

@@ -24,14 +24,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.rollout.engine import Rollout, RolloutEngineError, is_state_dict
 from tpuray.rl.rollout.hosted import ColocatedEngine, HostedGroup, host_rank, hosted_rank
 from tpuray.rl.rollout.vllm import stage_refusal, vllm_params
-from tpuray.rl.rollout.vllm_worker import EXTENSION, pack_state
+from tpuray.rl.rollout.vllm_worker import EXTENSION
 from tpuray.rl.sync.update import TrainerUpdate
 from tpuray.rl.weights.check import WeightMismatchError
 from tpuray.serve.llm import model_source
@@ -106,8 +106,10 @@ class HostedVLLM:
         (staged,) = self.llm.collective_rpc("tpuray_stage_refs", args=(refs, channel))
         return staged
 
-    def stage_weights(self, packed: dict[str, Any]) -> int | str:
-        (staged,) = self.llm.collective_rpc("tpuray_stage_weights", args=(packed,))
+    def stage_weights(self, state: Mapping[str, Any]) -> int | str:
+        """A full state dict's host tensors, handed to this rank's vLLM worker as they are: its engine core
+        runs in this process, so `collective_rpc` passes them by reference (nothing packed or copied)."""
+        (staged,) = self.llm.collective_rpc("tpuray_stage_tensors", args=(dict(state),))
         return staged
 
     def commit_weights(self) -> int:
@@ -253,7 +255,7 @@ class ColocatedVLLMEngine(ColocatedEngine):
         if isinstance(update, TrainerUpdate) and update.channel is None:
             staged = ray.get(group.call_each("stage_pieces", [(list(r), None) for r in update.refs]))
         elif is_state_dict(update):
-            staged = ray.get(group.call("stage_weights", ray.put(pack_state(update))))
+            staged = ray.get(group.call("stage_weights", ray.put(dict(update))))
         else:
             raise WeightMismatchError(
                 "colocated vLLM takes a state dict (name -> torch.Tensor) or an RLRun's TrainerUpdate "
