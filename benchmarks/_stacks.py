@@ -1,12 +1,13 @@
 """Where a run's Python time goes, sampled from inside the process (no ptrace, which a VM may refuse).
 
 `Sampler(path)` samples every thread's stack about every `interval_s` until `stop()`, then writes a header
-("# wall_s W rounds R interval_s I") and one line per distinct stack: "thread;file:function:line;...;leaf
+("# wall_s W rounds R interval_s I busy_s B") and one line per distinct stack: "thread;file:function:line;...;leaf
 seconds" (root first, flame-graph "collapsed" form, weighted by time). Each round's stacks are weighted by
 the seconds since the previous round: the sampler needs the GIL, so a C++ call that holds it (torch_tpu's
 lowering may) delays the next round, which then sees the thread just after that call, in the Python
 function that made it (so its time lands there, one line later). Rounds much fewer than wall_s /
-interval_s mean the GIL was held that long.
+interval_s mean the GIL was held that long. busy_s is the sampler's own time in its rounds, the GIL
+held by it: what it took from the run at most.
 
 Read one: `python3 benchmarks/_stacks.py PATH [N [THREAD]]`: the N functions with the most seconds on
 their own (self) and anywhere on the stack (inclusive), for the threads whose name starts with THREAD
@@ -31,6 +32,7 @@ class Sampler:
         self.path, self.interval_s = Path(path), interval_s
         self.seconds: collections.Counter[str] = collections.Counter()
         self.rounds = 0
+        self.busy_s = 0.0  # the sampler's own time in its rounds (it holds the GIL meanwhile)
         self._names: dict[CodeType, str] = {}
         self._done = threading.Event()
         self._start = time.perf_counter()
@@ -49,22 +51,28 @@ class Sampler:
             now = time.perf_counter()
             weight, last = now - last, now
             self.rounds += 1
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                stack = []
-                while frame is not None:
-                    stack.append(f"{self._name(frame.f_code)}:{frame.f_lineno}")
-                    frame = frame.f_back
-                self.seconds[";".join([names.get(ident, str(ident)), *reversed(stack)])] += weight
+            self._round(me, weight)
+            self.busy_s += time.perf_counter() - now
+
+    def _round(self, me: int, weight: float) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            stack = []
+            while frame is not None:
+                stack.append(f"{self._name(frame.f_code)}:{frame.f_lineno}")
+                frame = frame.f_back
+            self.seconds[";".join([names.get(ident, str(ident)), *reversed(stack)])] += weight
 
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
         wall = time.perf_counter() - self._start
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [f"# wall_s {wall:.2f} rounds {self.rounds} interval_s {self.interval_s}"]
+        lines = [
+            f"# wall_s {wall:.2f} rounds {self.rounds} interval_s {self.interval_s} busy_s {self.busy_s:.2f}"
+        ]
         lines += [f"{stack} {s:.4f}" for stack, s in self.seconds.most_common()]
         self.path.write_text("\n".join(lines) + "\n")
 
