@@ -48,10 +48,11 @@ def test_buckets_pick_and_pack():
     assert d.packed[0].shape == (1,) and d.context_len == 1024
 
 
-def test_warmup_prefill_masks_are_not_causal():
+@pytest.mark.parametrize("max_model_len", [1024, 129])  # 129 = 2^7 + 1: T - 1 tokens fit the 128 bucket
+def test_warmup_prefill_masks_are_not_causal(max_model_len):
     """Each token bucket is compiled on a pack whose attention mask is not lower-triangular: torch_tpu's
     compiler would otherwise make that bucket's program causal for good (runner.warmup_prefill)."""
-    buckets = Buckets.for_engine(8, 1024, 1024)
+    buckets = Buckets.for_engine(8, max_model_len, max_model_len)
     for T in buckets.tokens:
         pack = warmup_prefill(T, buckets, trash_slot=8)
         assert pack.packed.shape[1] == T  # the bucket it compiles

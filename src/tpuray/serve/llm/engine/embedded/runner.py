@@ -128,14 +128,21 @@ def default_backend(device: torch.device, world_size: int) -> str:
 
 
 def warmup_prefill(T: int, buckets: Buckets, trash_slot: int) -> PrefillPack:
-    """The pack that compiles token bucket T at warm-up: one prompt of T - 1 tokens and one padding token.
+    """The pack that compiles token bucket T at warm-up: one prompt of T - 1 tokens and one padding token
+    (or, where T - 1 tokens would fit a smaller bucket, prompts of T - 1 tokens and of 1).
 
-    Not a prompt that fills the bucket: its attention mask would be exactly lower-triangular, and
+    Not a prompt that fills the bucket alone (unless a pack holds one prompt: its program may be causal): its attention mask would be exactly lower-triangular, and
     torch_tpu's compiler (its `detect_causal_mask` pass, which evaluates the mask on the example inputs)
     would then replace the mask by `is_causal=True` in the program for good, so that the prompts of a
     packed prefill would attend to each other's tokens on a TPU."""
-    n = T - 1 if T > 1 and Buckets.pick(T - 1, buckets.tokens) == T else T
-    return pack_prefills([(trash_slot, [0] * n, 0, None)], [0], buckets, trash_slot)[0]
+    if T > 1 and Buckets.pick(T - 1, buckets.tokens) == T:
+        prompts = [[0] * (T - 1)]
+    elif T > 1 and buckets.prefill_seqs != 1:  # T - 1 fits a smaller bucket (T = 2^k + 1): two prompts
+        prompts = [[0] * (T - 1), [0]]
+    else:  # one prompt per pack: a causal program is right
+        prompts = [[0] * T]
+    step: Step = [(trash_slot, ids, 0, None) for ids in prompts]
+    return pack_prefills(step, list(range(len(step))), buckets, trash_slot)[0]
 
 
 class ModelRunner:
