@@ -9,10 +9,12 @@ import importlib.util
 import sys
 
 import pytest
+from torch._inductor.output_code import OutputCode
 
 from _util import stand_in_module
 from tpuray.serve.llm.engine.tpu_programs import (
     TESTED_TORCH_TPU,
+    backend_code_shared,
     class_attribute_while,
     executables_not_copied,
     fake_modes_without_stacks,
@@ -109,3 +111,18 @@ def test_fake_modes_record_no_stack_while_programs_load():
         assert len(FakeTensorMode()._stack_trace) == 0
         assert FakeTensorMode().stack == ""
     assert fake_tensor.traceback is original and len(FakeTensorMode()._stack_trace) > 0
+
+
+class _Code(OutputCode):
+    """A backend's compiled code, as torch_tpu's executables and Inductor's graphs are (OutputCode)."""
+
+    def __init__(self) -> None:
+        self.payload = [1, 2, 3]
+
+
+def test_a_loaded_programs_backend_code_is_shared_not_copied():
+    code = _Code()
+    with backend_code_shared():
+        assert copy.deepcopy({"result": code})["result"] is code
+    copied = copy.deepcopy({"result": code})["result"]
+    assert copied is not code and copied.payload == code.payload  # outside it, deep copies as before

@@ -5,13 +5,9 @@ torch_tpu on the CPU (both return programs torch can serialize); tests/real_tpu 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from torch._inductor.output_code import OutputCode
 
 from _util import runner_start
-from tpuray.serve.llm.engine.embedded.programs import backend_code_shared
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner
 from tpuray.serve.llm.engine.embedded.step_plan import Buckets
 
@@ -46,21 +42,6 @@ def test_a_second_start_loads_every_program_and_a_bad_one_is_compiled_again(tiny
     assert fourth["compiled"] == 1 and fourth["loaded"] == n - 1
     assert f"{prefill.stem} was saved for other inputs" in fourth["stderr"]
     assert fourth["tokens"] == first["tokens"]
-
-
-class _Code(OutputCode):
-    """A backend's compiled code, as torch_tpu's executables and Inductor's graphs are (OutputCode)."""
-
-    def __init__(self) -> None:
-        self.payload = [1, 2, 3]
-
-
-def test_a_loaded_programs_backend_code_is_shared_not_copied():
-    code = _Code()
-    with backend_code_shared():
-        assert copy.deepcopy({"result": code})["result"] is code
-    copied = copy.deepcopy({"result": code})["result"]
-    assert copied is not code and copied.payload == code.payload  # outside it, deep copies as before
 
 
 def _runner(path: str, backend: str, **kwargs) -> ModelRunner:

@@ -11,8 +11,9 @@ starts wrap around torch's loaders (the embedded engine's program store, vLLM-To
   every source file on the stack): 2.7 s of the embedded engine's 27.6 s second start on the v5e. Only
   debugging messages read that stack (`FakeTensorMode.stack`, then empty).
 
-Both are process-wide while they last, as torch_tpu's own switches are: enter them around an engine's
-start, where nothing else copies programs.
+Both are process-wide while they last, as torch_tpu's own asynchronous saves are: enter them around an
+engine's start, where nothing else copies programs. (`backend_code_shared`, the embedded engine's, shares
+any backend's code, not torch_tpu's only.)
 """
 
 from __future__ import annotations
@@ -73,6 +74,18 @@ def executables_not_copied() -> Iterator[None]:
 
 def _itself(self: Any, memo: Any = None) -> Any:
     return self
+
+
+@contextlib.contextmanager
+def backend_code_shared() -> Iterator[None]:
+    """While it lasts, a deep copy of any backend's compiled code (torch's `OutputCode`: torch_tpu's
+    executables, Inductor's graphs) is the object itself: the embedded engine's own loads, whose
+    programs are never saved again (vLLM's starts share torch_tpu's executables only, as vLLM may save
+    what it loaded: `executables_not_copied`)."""
+    from torch._inductor.output_code import OutputCode
+
+    with class_attribute_while(OutputCode, "__deepcopy__", _itself):  # unless torch's own
+        yield
 
 
 class _WithoutStacks:

@@ -31,7 +31,7 @@ import torch
 from tpuray.serve.llm.engine.compile_cache import ProgramStore
 from tpuray.serve.llm.engine.embedded.tpu_compile import lookup
 from tpuray.serve.llm.engine.tpu_programs import (
-    class_attribute_while,
+    backend_code_shared,
     executables_not_copied,
     fake_modes_without_stacks,
 )
@@ -42,20 +42,6 @@ SAVABLE_BACKENDS = ("tpu-donate", "tpu", "inductor")
 ASYNC_BACKENDS = ("tpu-donate",)  # whose compiler lowers and compiles in background threads
 
 Program = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-@contextlib.contextmanager
-def backend_code_shared() -> Iterator[None]:
-    """While it lasts, a deep copy of a backend's compiled code (torch's `OutputCode`: torch_tpu's
-    executables, Inductor's graphs) is the object itself. torch's loader deep-copies a loaded program's
-    cache entry "in case it needs to be serialized again" (`deserialize_bundled_cache_entry`), which for
-    torch_tpu serializes each executable and loads it onto the device a second time, held as long as the
-    program; a loaded program is never saved again here, so the copy shares it instead. Process-wide
-    while it lasts: enter it where nothing else deep-copies such code (an engine's start)."""
-    from torch._inductor.output_code import OutputCode
-
-    with class_attribute_while(OutputCode, "__deepcopy__", lambda self, memo: self):  # unless torch's own
-        yield
 
 
 @contextlib.contextmanager
