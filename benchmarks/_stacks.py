@@ -7,7 +7,7 @@ the seconds since the previous round: the sampler needs the GIL, so a C++ call t
 lowering may) delays the next round, which then sees the thread just after that call, in the Python
 function that made it (so its time lands there, one line later). Rounds much fewer than wall_s /
 interval_s mean the GIL was held that long. busy_s is the sampler's own time in its rounds, the GIL
-held by it: what it took from the run at most.
+held by it: about what it took from the run.
 
 Read one: `python3 benchmarks/_stacks.py PATH [N [THREAD]]`: the N functions with the most seconds on
 their own (self) and anywhere on the stack (inclusive), for the threads whose name starts with THREAD

@@ -26,11 +26,12 @@ import torch
 MIN_PACK_TOKENS = 64
 """The smallest prefill pack. On the v5e (`bench_real_tpu.py prefill --dims 1b-hd128 --prompt-lens`) a
 pack of 16, 32 or 64 tokens took the same step (5.9, 5.9, 5.7 ms; 128: 6.5 ms), so smaller packs would
-only add programs, each ~11 s of a first start."""
+only add programs (each ~10 s of tracing at a first start, besides its compilation)."""
 
 MIN_PADDED_BATCH = 8
 """The smallest decode batch after 1. On the v5e (`--decode-batches`) a batch of 2 or 4 took as long as
-one of 8 with 40 cached positions (7.2-7.4 ms) and longer with 600 (12.2 ms against 9.1 ms)."""
+one of 8 with 40 cached positions (7.2-7.4 ms) and longer with 600 (12.2 ms against 9.1 ms), for
+context buckets of 256 and 1,024 positions (longer ones not measured: padding rows attend too)."""
 
 FROM_DEVICE = -1
 """A decode row's token id meaning: its slot's greedy id of the latest launched step, which stays on the
