@@ -281,3 +281,19 @@ def test_a_dead_worker_fails_generate_and_shutdown_frees_the_slice(
     finally:
         engine.shutdown()
     pg_leak_check()
+
+
+def test_a_state_dict_reaches_the_object_store_as_host_tensors_of_their_own_bytes():
+    import pickle
+
+    from tpuray.rl.rollout.engine import host_state
+
+    fused = torch.arange(8 * 1024, dtype=torch.float32).reshape(8, 1024)
+    state = {f"q.{i}": chunk for i, chunk in enumerate(fused.chunk(8))} | {
+        "t": fused.t(),
+        "n": "not a tensor",
+    }
+    hosted = host_state(state)
+    assert all(torch.equal(hosted[k], state[k]) for k in state if k != "n") and hosted["n"] == "not a tensor"
+    assert all(t.untyped_storage().nbytes() == t.nbytes for k, t in hosted.items() if k != "n")
+    assert len(pickle.dumps(hosted["q.0"])) < 2 * 4096 < len(pickle.dumps(state["q.0"]))  # not all 32 KiB

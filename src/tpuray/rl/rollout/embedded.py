@@ -12,7 +12,7 @@ from typing import Any
 
 from tpuray.rl.config import RolloutConfig
 from tpuray.rl.rollout.embedded_worker import RolloutWorker, RunnerWeights
-from tpuray.rl.rollout.engine import RolloutEngine, lost_update
+from tpuray.rl.rollout.engine import RolloutEngine, host_state, lost_update
 from tpuray.rl.rollout.protocol import GenerationEngine
 from tpuray.rl.sync.collective import TransferError
 from tpuray.rl.sync.update import TrainerUpdate
@@ -93,7 +93,7 @@ def update_group(group: Any, update: Any, version: int) -> int:
             args = [(list(refs), update.channel) for refs in update.refs]
             ray.get(group.call_each("stage_pieces", args))
         else:
-            ref = update if isinstance(update, ray.ObjectRef) else ray.put(dict(update))
+            ref = update if isinstance(update, ray.ObjectRef) else ray.put(host_state(update))
             ray.get(group.call("stage_weights", ref))
     except ray.exceptions.RayTaskError as e:
         ray.get(group.call("discard_weights"))

@@ -65,6 +65,22 @@ def is_state_dict(update: Any) -> bool:
     return isinstance(update, Mapping) and not any(isinstance(v, ray.ObjectRef) for v in update.values())
 
 
+def host_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict as the object store should carry it: each tensor detached, on the host, contiguous
+    and owning exactly its bytes (torch pickles a view's whole storage: the chunks of a fused tensor
+    would each carry all of it). Other values are left for the engine's check to refuse by name."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor):
+            t = t.detach().to("cpu").contiguous()
+            if t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone()
+        out[name] = t
+    return out
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One generated sequence: the prompt's and the completion's token ids, the log-probability of each

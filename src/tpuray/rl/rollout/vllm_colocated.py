@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpuray.rl.config import RolloutConfig
-from tpuray.rl.rollout.engine import Rollout, RolloutEngineError, is_state_dict
+from tpuray.rl.rollout.engine import Rollout, RolloutEngineError, host_state, is_state_dict
 from tpuray.rl.rollout.hosted import ColocatedEngine, HostedGroup, host_rank, hosted_rank
 from tpuray.rl.rollout.vllm import stage_refusal, vllm_params
 from tpuray.rl.rollout.vllm_worker import EXTENSION
@@ -255,7 +255,7 @@ class ColocatedVLLMEngine(ColocatedEngine):
         if isinstance(update, TrainerUpdate) and update.channel is None:
             staged = ray.get(group.call_each("stage_pieces", [(list(r), None) for r in update.refs]))
         elif is_state_dict(update):
-            staged = ray.get(group.call("stage_weights", ray.put(dict(update))))
+            staged = ray.get(group.call("stage_weights", ray.put(host_state(update))))
         else:
             raise WeightMismatchError(
                 "colocated vLLM takes a state dict (name -> torch.Tensor) or an RLRun's TrainerUpdate "
