@@ -50,9 +50,10 @@ def torch_cache_unwritten(deferred: list[Any] | None = None) -> Iterator[None]:
     pickles it nor writes it into torch's own cache (`AOTAutogradCache.save`, which aot_compile turns on):
     the program store saves the entry itself, and for torch_tpu each pickle serializes the executable (a
     second copy of every program on disk, and its time, at every first start). With `deferred`, the
-    entries are appended there unprepared (preparing one may wait for its compilation in the background,
-    where its executable is copied: the caller prepares them before saving). Process-wide while it lasts, as torch_tpu's own async saves
-    are: another thread's compilation meanwhile writes nothing into torch's cache either."""
+    entries are appended there unprepared (preparing one may wait for its compilation in the background:
+    the caller prepares them before saving, as `save_built` does). Process-wide while it lasts, as
+    torch_tpu's own async saves are: another thread's compilation meanwhile writes nothing into torch's
+    cache either."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     except ImportError:  # another torch: its cache is written as before

@@ -131,10 +131,11 @@ def warmup_prefill(T: int, buckets: Buckets, trash_slot: int) -> PrefillPack:
     """The pack that compiles token bucket T at warm-up: one prompt of T - 1 tokens and one padding token
     (or, where T - 1 tokens would fit a smaller bucket, prompts of T - 1 tokens and of 1).
 
-    Not a prompt that fills the bucket alone (unless a pack holds one prompt: its program may be causal): its attention mask would be exactly lower-triangular, and
-    torch_tpu's compiler (its `detect_causal_mask` pass, which evaluates the mask on the example inputs)
-    would then replace the mask by `is_causal=True` in the program for good, so that the prompts of a
-    packed prefill would attend to each other's tokens on a TPU."""
+    Not a prompt that fills the bucket alone (unless a pack holds one prompt: its program may be causal):
+    its attention mask would be exactly lower-triangular, and torch_tpu's compiler (its
+    `detect_causal_mask` pass, which evaluates the mask on the example inputs) would then replace the
+    mask by `is_causal=True` in the program for good, so that the prompts of a packed prefill would
+    attend to each other's tokens on a TPU."""
     if T > 1 and Buckets.pick(T - 1, buckets.tokens) == T:
         prompts = [[0] * (T - 1)]
     elif T > 1 and buckets.prefill_seqs != 1:  # T - 1 fits a smaller bucket (T = 2^k + 1): two prompts
@@ -204,8 +205,8 @@ class ModelRunner:
         given += [f"async_compile={async_compile!r}"] if async_compile else []
         if not self.compiled and given:
             raise ValueError(
-                f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to a compiled runner; this one runs eagerly "
-                f"(compile={compile!r} on {device!r}): leave them unset"
+                f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to a compiled runner; "
+                f"this one runs eagerly (compile={compile!r} on {device!r}): leave them unset"
             )
         padded = self.compiled or static_shapes
         if buckets is None:
