@@ -5,7 +5,7 @@ starts wrap around torch's loaders (the embedded engine's program store, vLLM-To
   torch copies a program's cache entry to save it (`copy(result)`) and deep-copies a loaded entry "in
   case it needs to be serialized again"; for a torch_tpu executable each copy serializes the executable
   and loads it onto the chip again, held as long as the program. Sampled on the v5e: 6.5 s of
-  vLLM-TorchTPU's 81 s second start, 13.1 s of saving at the embedded engine's first start (3.2 s since).
+  vLLM-TorchTPU's 81 s second start, 13.1 s of saving at the embedded engine's first start (3.2-4.9 s since).
 - `fake_modes_without_stacks`: a FakeTensorMode made meanwhile records no stack of its making. torch's
   guard loader makes one per tensor it unpickles, each taking `traceback.extract_stack()` (a stat of
   every source file on the stack): 2.7 s of the embedded engine's 27.6 s second start on the v5e. Only
