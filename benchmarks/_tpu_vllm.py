@@ -65,7 +65,10 @@ def compile_stats(engine: Any) -> dict[str, Any]:
 
 
 def add_tokenizer(path: Path) -> None:
-    """vLLM's OpenAI layer needs a tokenizer; the bench sends token ids (the model's vocab is larger)."""
+    """vLLM's OpenAI layer needs a tokenizer; the bench sends token ids (the model's vocab is larger).
+    Written once beside the checkpoint: a second start finds it, as it finds the weights."""
+    if (path / "tokenizer_config.json").exists():
+        return
     from tpuray.models import build_tokenizer
 
     build_tokenizer().save_pretrained(str(path))
