@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import sys
 import threading
@@ -9,6 +10,8 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+import pytest
 
 # ScalingConfig kwargs of a tpuray.train trainer of 2 workers x 2 chips on one emulated v6e 2x2 slice: for
 # tests whose checks do not depend on one process per chip (half the worker processes to start on 2 cores)
@@ -98,6 +101,13 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
+
+
+WITHOUT_TORCH_TPU = pytest.mark.skipif(
+    importlib.util.find_spec("torch_tpu") is not None,
+    reason="torch_tpu is installed: tests/real_tpu cover it on the chip",
+)
+"""For tests of tpuray's handling of torch_tpu through a stand-in (stand_in_module) or of its absence."""
 
 
 def stand_in_module(monkeypatch: Any, name: str, **attributes: Any) -> ModuleType:

@@ -3,24 +3,18 @@ switch's stack is balanced, and nothing is switched without torch_tpu or where T
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 
-from _util import stand_in_module
+from _util import WITHOUT_TORCH_TPU, stand_in_module
 from tpuray.constants import TORCH_TRACE_ENV
 from tpuray.serve.llm.engine.tpu_lowering import (
     tracebacks_off,
     tracebacks_off_in_this_thread,
     without_tracebacks,
-)
-
-no_torch_tpu = pytest.mark.skipif(
-    importlib.util.find_spec("torch_tpu") is not None,
-    reason="torch_tpu is installed: tests/real_tpu cover it",
 )
 
 
@@ -45,7 +39,7 @@ def test_lowering_runs_with_tracebacks_off_and_restores_them_after_an_error():
     assert stack == []
 
 
-@no_torch_tpu
+@WITHOUT_TORCH_TPU
 def test_a_thread_without_torch_tpu_is_left_as_it_is(monkeypatch):
     monkeypatch.delenv(TORCH_TRACE_ENV, raising=False)
     switched: list[bool] = []

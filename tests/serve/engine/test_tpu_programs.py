@@ -5,13 +5,11 @@ modes without their stacks, and the class attribute switch both rest on."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 
-import pytest
 from torch._inductor.output_code import OutputCode
 
-from _util import stand_in_module
+from _util import WITHOUT_TORCH_TPU, stand_in_module
 from tpuray.serve.llm.engine.tpu_programs import (
     TESTED_TORCH_TPU,
     backend_code_shared,
@@ -19,11 +17,6 @@ from tpuray.serve.llm.engine.tpu_programs import (
     executables_not_copied,
     fake_modes_without_stacks,
     programs_loaded_lightly,
-)
-
-stand_in = pytest.mark.skipif(
-    importlib.util.find_spec("torch_tpu") is not None,
-    reason="torch_tpu is installed: the on-chip tests cover it",
 )
 
 
@@ -51,7 +44,7 @@ def _stand_in_torch_tpu(monkeypatch, version: str) -> None:
     sys.modules["torch_tpu"].__version__ = version  # type: ignore[attr-defined]
 
 
-@stand_in
+@WITHOUT_TORCH_TPU
 def test_a_torch_tpu_executable_is_not_copied_to_be_saved(monkeypatch):
     """torch's own preparation for saving (`copy(result)`, then its `prepare_for_serialization`) keeps
     the executable itself inside executables_not_copied, without resolving a pending one; outside it,
@@ -67,7 +60,7 @@ def test_a_torch_tpu_executable_is_not_copied_to_be_saved(monkeypatch):
     assert copy.copy(pending) is not pending and "__copy__" not in _Artifact.__dict__
 
 
-@stand_in
+@WITHOUT_TORCH_TPU
 def test_another_torch_tpu_is_copied_as_before(monkeypatch):
     _stand_in_torch_tpu(monkeypatch, "0.3.0")
     artifact = _Artifact()
@@ -87,7 +80,7 @@ def test_an_attribute_set_by_another_entry_is_left_to_it():
     assert "x" not in Owner.__dict__
 
 
-@stand_in
+@WITHOUT_TORCH_TPU
 def test_a_deep_copy_shares_the_executable_as_torch_s_loader_makes_one(monkeypatch):
     """torch's loader deep-copies a loaded program's cache entry; inside executables_not_copied the
     entry is copied and the executable in it shared, without resolving a pending one."""

@@ -3,19 +3,16 @@ construction; the default backend per device (the on-chip checks are tests/real_
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from _util import WITHOUT_TORCH_TPU
 from tpuray.serve.llm.engine.embedded.runner import ModelRunner, default_backend
 from tpuray.serve.llm.engine.embedded.tpu_compile import aot_compilers, lookup
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torch_tpu") is not None,
-    reason="torch_tpu is installed: the on-chip tests cover it",
-)
+pytestmark = WITHOUT_TORCH_TPU
 
 
 def test_donating_backend_without_torch_tpu_is_a_clear_error(tiny_model_dir):
